@@ -1,0 +1,28 @@
+"""Chooses between a Triton kernel and its torch reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, the torch reference elsewhere.
+
+    LOCALSERVE_DISABLE_TRITON=1 forces the reference everywhere (for debugging a
+    kernel against its definition on a real GPU).
+    """
+    if os.environ.get("LOCALSERVE_DISABLE_TRITON") == "1":
+        return False
+    return tensor.is_cuda and triton_available()

@@ -1,0 +1,30 @@
+"""Engine options (what `LLM(...)` and `localserve serve` accept)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LocalserveError
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16  # tokens per KV cache block
+    max_num_seqs: int = 64  # sequences in one step at most
+    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step at most
+    max_model_len: int | None = None  # default: the model's context, capped to what the pool holds
+    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
+    kv_cache_memory: int = 2 << 30  # bytes for the KV pool when num_kv_blocks is not given
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
+            (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise LocalserveError(f"invalid engine option: {message}")

@@ -1,0 +1,252 @@
+"""The engine: add requests, step, read outputs. Usable step by step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import models
+from ..errors import LocalserveError
+from ..formats import open_checkpoint
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .config import EngineConfig
+from .kv_cache import BlockManager, BlockPool, allocate_kv_tensors, kv_bytes_per_block
+from .request import Request, RequestStatus
+from .runner import ModelRunner
+from .sampler import TokenLogprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step; ``text`` and ``token_ids`` are cumulative."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+    if dtype not in (None, "auto"):
+        if dtype not in names:
+            raise LocalserveError(f"dtype {dtype!r} is not supported (float32, float16, bfloat16)")
+        return names[dtype]
+    if device.type == "cpu":
+        return torch.float32  # half-precision matmuls are slow on most CPUs
+    stored = names.get(checkpoint_dtype or "", torch.float32)
+    return torch.bfloat16 if stored == torch.float32 else stored
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | Path,
+        config: EngineConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.device = pick_device(device)
+        checkpoint = open_checkpoint(model)
+        self.spec = spec = checkpoint.spec
+        self.dtype = pick_dtype(dtype, spec.torch_dtype, self.device)
+        self.tokenizer = Tokenizer.from_dir(checkpoint.path) if (checkpoint.path / "tokenizer.json").is_file() else None
+
+        block_size = self.config.block_size
+        num_blocks = self.config.num_kv_blocks or max(
+            1, self.config.kv_cache_memory // kv_bytes_per_block(spec, block_size, self.dtype)
+        )
+        self.max_model_len = self._max_model_len(num_blocks * block_size)
+        self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, self.max_model_len)
+        kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.dtype, self.device)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+            num_blocks, block_size, num_blocks * block_size, self.max_model_len,
+        )
+
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(self.config, BlockManager(self.pool, block_size))
+        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = frozenset(spec.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set()
+        )
+        self.num_prompt_tokens_total = 0
+        self.num_generated_tokens_total = 0
+        self.num_finished_requests = 0
+
+    def _max_model_len(self, pool_tokens: int) -> int:
+        limit = self.spec.max_position_embeddings
+        if self.spec.sliding_window:
+            # Attention here is full, not windowed: past the window it would differ from
+            # the model's own, so the context stops there.
+            limit = min(limit, self.spec.sliding_window)
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise LocalserveError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens")
+        if wanted > pool_tokens:
+            log.warning("max_model_len %d capped to %d: the KV pool holds no more", wanted, pool_tokens)
+            return pool_tokens
+        return wanted
+
+    # -- requests ---------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        params = params or SamplingParams()
+        prompt_ids = self._encode(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise LocalserveError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise LocalserveError("the prompt is empty")
+        if max(prompt_ids) >= self.spec.vocab_size or min(prompt_ids) < 0:
+            raise LocalserveError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise LocalserveError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator)
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens
+            )
+        self.scheduler.add(request)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise LocalserveError("this model has no tokenizer.json; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.finish(request)
+        request.finish_reason = "abort"
+        self._detokenizers.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; outputs of the requests that advanced."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        sampled, result = self.runner.execute(batch)
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prompt_tokens_total += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+            request.num_computed_tokens += num_new
+        outputs = []
+        now = time.monotonic()
+        for i, request in enumerate(sampled):
+            token = result.token_ids[i]
+            request.token_ids.append(token)
+            self.num_generated_tokens_total += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if result.logprobs[i] is not None:
+                request.logprobs.append(result.logprobs[i])
+            self._check_stop(request, token)
+            if request.finish_reason is not None:
+                request.finish_time = now
+                self.scheduler.finish(request)
+                self.num_finished_requests += 1
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+                self._detokenizers.pop(request.request_id, None)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        piece = ""
+        detokenizer = self._detokenizers.get(request.request_id)
+        if detokenizer is not None:
+            piece = detokenizer.add(token)
+            request.text += piece
+        if request.num_output_tokens < params.min_tokens:
+            return  # the sampler already kept EOS and stop tokens out
+        if piece and params.stop:
+            searched_from = max(len(request.text) - len(piece) - max(map(len, params.stop)) + 1, 0)
+            if self._cut_stop_string(request, searched_from):
+                return
+        if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            request.finish_reason = "stop"
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.finish_reason = "length"
+
+    @staticmethod
+    def _cut_stop_string(request: Request, searched_from: int) -> bool:
+        """Finish at the earliest stop string in the new text and cut it off."""
+        found = [(i, s) for s in request.params.stop if (i := request.text.find(s, searched_from)) >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        end = index + len(stop) if request.params.include_stop_str_in_output else index
+        request.text = request.text[:end]
+        request.finish_reason = "stop"
+        return True
+
+    def _output(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=request.text,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+        )
+
+    # -- statistics -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_block_size": self.config.block_size,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prompt_tokens_total": self.num_prompt_tokens_total,
+            "num_generated_tokens_total": self.num_generated_tokens_total,
+            "num_finished_requests": self.num_finished_requests,
+        }

@@ -1,0 +1,78 @@
+"""Turns a scheduled batch into flat tensors, runs the model once, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import AttentionMetadata
+from .request import Request
+from .sampler import Sampler, SamplerOutput, SamplingRow
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step. Returns the requests that produced a token (those whose
+        prompt is now fully computed) and the sampler's output for them, in order."""
+        input_ids, positions, slots = [], [], []
+        query_start, seq_lens, sample_rows, to_sample = [0], [], [], []
+        bs = self.block_size
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = request.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + num_new)
+            seq_lens.append(end)
+            if end == request.num_tokens:  # the chunk reaches the last token: sample
+                sample_rows.append(query_start[-1] - 1)
+                to_sample.append(request)
+
+        max_blocks = max(len(r.block_table) for r in batch.requests)
+        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
+        query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            query_start_loc=tensor(query_start, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(tables, torch.int32),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), self.kv_caches, meta)
+        if not to_sample:
+            return [], None
+        logits = self.model.compute_logits(hidden[tensor(sample_rows, torch.int64)])
+        rows = [
+            SamplingRow(
+                params=r.params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                generator=r.generator,
+                eos_token_ids=r.eos_token_ids,
+            )
+            for r in to_sample
+        ]
+        return to_sample, self.sampler(logits, rows)

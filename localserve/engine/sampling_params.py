@@ -1,0 +1,55 @@
+"""Per-request generation settings, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import LocalserveError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (or -1 for no limit)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise LocalserveError(f"invalid sampling parameters: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,160 @@
+"""HF checkpoints: config.json -> ModelSpec, safetensors (sharded or not) -> named tensors.
+
+Tensor names stay in HF's naming (``model.layers.N.self_attn.q_proj.weight``); it is
+the canonical naming that other readers (GGUF) map onto.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import LocalserveError
+from .spec import ModelSpec, RopeSpec
+
+# model_type -> our architecture family
+_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+_MAX_SHARDS = 4096
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise LocalserveError(f"{model_dir}: no config.json; expected an HF checkpoint folder")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LocalserveError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise LocalserveError(f"{path}: expected a JSON object")
+    return config
+
+
+def spec_from_config(config: dict[str, Any]) -> ModelSpec:
+    model_type = config.get("model_type")
+    architecture = _ARCHITECTURES.get(model_type)
+    if architecture is None:
+        supported = ", ".join(sorted(_ARCHITECTURES))
+        raise LocalserveError(f"model_type {model_type!r} is not supported (supported: {supported})")
+    try:
+        num_heads = int(config["num_attention_heads"])
+        hidden_size = int(config["hidden_size"])
+        eos = config.get("eos_token_id")
+        spec = ModelSpec(
+            architecture=architecture,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_config(config),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
+            qk_norm=architecture == "qwen3",
+            sliding_window=_sliding_window(config),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            torch_dtype=config.get("dtype") or config.get("torch_dtype"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LocalserveError(f"config.json: missing or malformed field ({exc})") from exc
+    if spec.num_heads % spec.num_kv_heads:
+        raise LocalserveError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+    return spec
+
+
+def _sliding_window(config: dict[str, Any]) -> int | None:
+    # Qwen2 ships a sliding_window value but only uses it when use_sliding_window is set.
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        return None
+    window = config.get("sliding_window")
+    return int(window) if window else None
+
+
+def _rope_from_config(config: dict[str, Any]) -> RopeSpec:
+    # transformers 5 writes rope_parameters (theta inside); older files rope_theta + rope_scaling.
+    params = dict(config.get("rope_parameters") or {})
+    scaling = dict(config.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    rope = RopeSpec(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        original_max_position=merged.get("original_max_position_embeddings"),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        beta_fast=float(merged.get("beta_fast", 32.0)),
+        beta_slow=float(merged.get("beta_slow", 1.0)),
+        attention_factor=merged.get("attention_factor"),
+        partial_rotary_factor=float(merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
+    )
+    if rope.kind not in ("default", "linear", "llama3", "yarn"):
+        raise LocalserveError(
+            f"rope type {rope.kind!r} is not supported (supported: default, linear, llama3, yarn)"
+        )
+    if rope.kind in ("llama3", "yarn") and rope.original_max_position is None:
+        rope.original_max_position = int(config.get("max_position_embeddings", 8192))
+    return rope
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from the index when sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise LocalserveError(f"{index}: malformed index ({exc})") from exc
+        names = sorted(set(weight_map.values()))
+        if len(names) > _MAX_SHARDS:
+            raise LocalserveError(f"{index}: too many shards ({len(names)})")
+        files = []
+        for name in names:
+            # A shard name comes from an untrusted file: it must be a plain file name.
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise LocalserveError(f"{index}: invalid shard file name {name!r}")
+            path = model_dir / name
+            if not path.is_file():
+                raise LocalserveError(f"{index}: shard {name} is missing")
+            files.append(path)
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise LocalserveError(f"{model_dir}: no .safetensors weights found")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in the shards. safetensors validates the header
+    and every offset against the file size before handing out data."""
+    seen: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():
+                    if name in seen:
+                        raise LocalserveError(f"{path}: tensor {name} appears in two shards")
+                    seen.add(name)
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc

@@ -1,0 +1,63 @@
+"""The offline Python API: load a model, generate for a list of prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .engine.config import EngineConfig
+from .engine.engine import Engine, RequestOutput
+from .engine.sampling_params import SamplingParams
+from .errors import LocalserveError
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """``LLM(path).generate(prompts, params)``: batched generation, outputs in input order.
+
+    Engine options (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``max_model_len``, ``num_kv_blocks``, ``kv_cache_memory``) pass through as keywords.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        **engine_options: int | None,
+    ) -> None:
+        try:
+            config = EngineConfig(**engine_options)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise LocalserveError(f"unknown engine option: {exc}") from exc
+        self.engine = Engine(model, config, device=device, dtype=dtype)
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise LocalserveError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for output in self.engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()

@@ -1,0 +1,92 @@
+"""Tokenizers (HF tokenizer.json) and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import LocalserveError
+
+# How many tokens before the unread ones are decoded along with them, so that
+# context-dependent decoding (SentencePiece's leading space) comes out right.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """Text <-> token ids, with the checkpoint's special-token conventions."""
+
+    def __init__(self, backend: HFTokenizer, config: dict[str, Any]) -> None:
+        self.backend = backend
+        self.config = config
+        self.bos_token_id = self._special_id(config.get("bos_token"))
+        self.eos_token_id = self._special_id(config.get("eos_token"))
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Tokenizer:
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise LocalserveError(f"{model_dir}: no tokenizer.json; pass token ids instead of text")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises plain Exceptions
+            raise LocalserveError(f"{path}: cannot be read as a tokenizer ({exc})") from exc
+        config: dict[str, Any] = {}
+        config_path = model_dir / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                loaded = json.loads(config_path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise LocalserveError(f"{config_path}: not valid JSON ({exc})") from exc
+            config = loaded if isinstance(loaded, dict) else {}
+        return cls(backend, config)
+
+    def _special_id(self, token: Any) -> int | None:
+        if isinstance(token, dict):  # {"content": "<s>", ...} in older configs
+            token = token.get("content")
+        return self.backend.token_to_id(token) if isinstance(token, str) else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # tokenizer_config's add_bos_token is what HF honours even when the
+        # tokenizer.json post-processor does not add BOS itself.
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces, one call per new token.
+
+    Decodes a short window of already-emitted tokens together with the new ones and
+    emits only the text beyond the window's own decoding; holds text back while it
+    ends in an incomplete UTF-8 sequence (U+FFFD), so no half character escapes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids)
+        self.read_offset = len(self.ids)  # first token whose text is not emitted yet
+        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]

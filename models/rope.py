@@ -1,0 +1,89 @@
+"""Rotary position embeddings in HF's half-split ("rotate_half") layout, with the
+context-extension schemes checkpoints declare: linear, llama3 and YaRN."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from localserve.formats.spec import RopeSpec
+
+
+def inverse_frequencies(rope: RopeSpec, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation speeds and the scale YaRN applies to cos/sin (1 elsewhere)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
+    inv_freq = 1.0 / rope.theta**exponents
+    if rope.kind == "default":
+        return inv_freq.float(), 1.0
+    if rope.kind == "linear":
+        return (inv_freq / rope.factor).float(), 1.0
+    if rope.kind == "llama3":
+        return _llama3(inv_freq, rope).float(), 1.0
+    if rope.kind == "yarn":
+        return _yarn(inv_freq, rope, rotary_dim)
+    raise ValueError(f"unknown rope kind {rope.kind}")
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    # Long wavelengths (beyond the pre-training context / low_freq_factor) are slowed
+    # down by `factor`, short ones kept, and the band between interpolated smoothly.
+    context = rope.original_max_position
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = context / rope.low_freq_factor
+    high_freq_wavelen = context / rope.high_freq_factor
+    smooth = (context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, scaled)
+
+
+def _yarn(inv_freq: torch.Tensor, rope: RopeSpec, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    # Dimensions that rotate many times within the original context keep their
+    # frequency (extrapolation); slow ones are interpolated by `factor`; a linear ramp
+    # between the beta_fast and beta_slow rotation counts mixes the two.
+    context = rope.original_max_position
+
+    def dim_for_rotations(rotations: float) -> float:
+        return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(dim_for_rotations(rope.beta_fast)), 0)
+    high = min(math.ceil(dim_for_rotations(rope.beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    mixed = (inv_freq / rope.factor) * (1 - keep) + inv_freq * keep
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+    return mixed.float(), float(attention_factor)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies rotary embeddings to q and k at arbitrary (flat-batch) positions."""
+
+    def __init__(self, rope: RopeSpec, head_dim: int, max_position: int, device: torch.device) -> None:
+        super().__init__()
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        inv_freq, scale = inverse_frequencies(rope, self.rotary_dim)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        # cos/sin of each pair, repeated for both halves as rotate_half expects.
+        self.register_buffer("cos", (angles.cos() * scale).repeat(1, 2).to(device), persistent=False)
+        self.register_buffer("sin", (angles.sin() * scale).repeat(1, 2).to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[tokens, heads, head_dim]``, k ``[tokens, kv_heads, head_dim]``."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rest.numel() == 0 else torch.cat((out, rest), dim=-1)
