@@ -151,14 +151,15 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     # Each program owns one sequence, one kv head and a tile of that sequence's new
     # tokens. The GROUP query heads sharing the kv head are packed into the rows of
     # the tile (row = token * GROUP + head-in-group), so a decode token under GQA still
     # fills a tl.dot tile and every loaded key/value is reused by the whole group.
-    seq = tl.program_id(0)
-    tile = tl.program_id(1)
+    # Tiles vary fastest so programs reading the same sequence's keys run together
+    # (L2 reuse); axis 0 is also the only one not capped at 65535 for long prompts.
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
     kv_head = tl.program_id(2)
 
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -214,7 +215,9 @@ def _paged_attention_kernel(
         )
         # The reference casts the cache to the query dtype before the matmul; match it.
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        # "ieee" only matters for fp32 inputs, which would otherwise go through TF32
+        # (~1e-3 error); fp16/bf16 use tensor cores either way.
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
 
@@ -231,7 +234,7 @@ def _paged_attention_kernel(
             + dims[None, :] * stride_vcd
         )
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     # Every valid row sees at least key 0, so l_i > 0 there; guard only the unused rows.
@@ -300,9 +303,7 @@ def _paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     tokens_per_tile = block_m // group
-    grid = (num_seqs, triton.cdiv(meta.max_query_len, tokens_per_tile), num_kv_heads)
-    # fp32 inputs would otherwise run through TF32 on tensor cores (~1e-3 error).
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(meta.max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query,
         k_cache,
@@ -323,7 +324,6 @@ def _paged_attention(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION=precision,
     )
     return out
 

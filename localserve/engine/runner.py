@@ -2,12 +2,66 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels import AttentionMetadata
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingRow
 from .scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows whose logits are sampled: each finishing request's last token
+    to_sample: list[Request]  # the requests those rows belong to, in order
+
+
+def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> ModelInputs:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start, seq_lens, sample_rows, to_sample = [0], [], [], []
+    for request, num_new in zip(batch.requests, batch.num_new_tokens):
+        start = request.num_computed_tokens
+        end = start + num_new
+        input_ids.extend(request.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = request.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_start.append(query_start[-1] + num_new)
+        seq_lens.append(end)
+        if end == request.num_tokens:  # the chunk reaches the last token: sample
+            sample_rows.append(query_start[-1] - 1)
+            to_sample.append(request)
+
+    max_blocks = max(len(r.block_table) for r in batch.requests)
+    tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
+
+    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=tensor(slots, torch.int64),
+        query_start_loc=tensor(query_start, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        block_tables=tensor(tables, torch.int32),
+        max_query_len=max(batch.num_new_tokens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=list(batch.num_new_tokens),
+        seq_lens_host=seq_lens,
+    )
+    return ModelInputs(
+        input_ids=tensor(input_ids, torch.int64),
+        positions=tensor(positions, torch.int64),
+        meta=meta,
+        sample_rows=tensor(sample_rows, torch.int64),
+        to_sample=to_sample,
+    )
 
 
 class ModelRunner:
@@ -28,43 +82,11 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step. Returns the requests that produced a token (those whose
         prompt is now fully computed) and the sampler's output for them, in order."""
-        input_ids, positions, slots = [], [], []
-        query_start, seq_lens, sample_rows, to_sample = [0], [], [], []
-        bs = self.block_size
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            start = request.num_computed_tokens
-            end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = request.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(query_start[-1] + num_new)
-            seq_lens.append(end)
-            if end == request.num_tokens:  # the chunk reaches the last token: sample
-                sample_rows.append(query_start[-1] - 1)
-                to_sample.append(request)
-
-        max_blocks = max(len(r.block_table) for r in batch.requests)
-        tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
-        query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(query_start, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(tables, torch.int32),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-        )
-        hidden = self.model(tensor(input_ids, torch.int64), tensor(positions, torch.int64), self.kv_caches, meta)
-        if not to_sample:
+        inputs = prepare_inputs(batch, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.to_sample:
             return [], None
-        logits = self.model.compute_logits(hidden[tensor(sample_rows, torch.int64)])
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
         rows = [
             SamplingRow(
                 params=r.params,
@@ -73,6 +95,6 @@ class ModelRunner:
                 generator=r.generator,
                 eos_token_ids=r.eos_token_ids,
             )
-            for r in to_sample
+            for r in inputs.to_sample
         ]
-        return to_sample, self.sampler(logits, rows)
+        return inputs.to_sample, self.sampler(logits, rows)

@@ -147,7 +147,7 @@ class Sampler:
             ks = torch.tensor([rows[i].params.top_k for i in top_k], device=device)
             sub = logits[top_k]
             kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
-            pass
+            logits[top_k] = sub.masked_fill(sub < kth, _NEG_INF)
 
         # top_p: drop a token once the mass of the better tokens already reaches top_p;
         # the best token has zero mass before it, so it always survives.

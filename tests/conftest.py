@@ -1,0 +1,125 @@
+"""Tiny checkpoints built at test time from transformers configs, and helpers that run
+our model on them directly (all-position logits) for comparison with transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+STORIES_HF = SHARED / "models" / "stories260K-hf"
+
+VOCAB = 256
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _configs() -> dict[str, Callable[[], object]]:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": lambda: LlamaConfig(**_BASE),
+        # A short original context so llama3 / yarn scaling changes positions we test.
+        "llama3-rope": lambda: LlamaConfig(
+            **_BASE,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 64},
+        ),
+        "llama-linear-rope": lambda: LlamaConfig(
+            **_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        ),
+        "llama-tied": lambda: LlamaConfig(**_BASE, tie_word_embeddings=True),
+        "mistral": lambda: MistralConfig(**_BASE, sliding_window=None),
+        "qwen2": lambda: Qwen2Config(**_BASE, tie_word_embeddings=False),
+        "qwen2-yarn": lambda: Qwen2Config(
+            **_BASE, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64},
+        ),
+        # head_dim 32 differs from hidden/heads (16), as in real Qwen3 configs.
+        "qwen3": lambda: Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=True),
+    }
+
+
+MODEL_KINDS = list(_configs())
+
+
+def reinitialise(model: torch.nn.Module, seed: int) -> None:
+    """Weights at std 1/sqrt(fan_in) so logits are not flat; norms and biases
+    random too, so that a weight loaded into the wrong place shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.5, generator=generator)
+            else:
+                param.uniform_(0.5, 1.5, generator=generator)
+
+
+class TinyModels:
+    """Builds each kind once per session: (checkpoint folder, transformers model)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[tuple[str, str | None], tuple[Path, torch.nn.Module]] = {}
+
+    def get(self, kind: str, save_dtype: torch.dtype = torch.float32, shard_size: str | None = None):
+        key = (kind, f"{save_dtype}-{shard_size}")
+        if key not in self.cache:
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            config = _configs()[kind]()
+            config._attn_implementation = "eager"
+            model = AutoModelForCausalLM.from_config(config)
+            reinitialise(model, seed=hash(kind) % 1000)
+            path = self.root / f"{kind}-{str(save_dtype).split('.')[-1]}-{shard_size}"
+            model.to(save_dtype).save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))
+            # The reference is the saved weights, in fp32.
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+            self.cache[key] = (path, model.eval())
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens)
+    return out[0, len(ids):].tolist()
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=generator).tolist()

@@ -1,0 +1,75 @@
+"""Our forward pass against HF transformers on the same checkpoint (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localserve import Engine, EngineConfig, SamplingParams
+from localserve.engine.request import Request
+from localserve.engine.runner import prepare_inputs
+from localserve.engine.scheduler import ScheduledBatch
+
+from .conftest import MODEL_KINDS, hf_logits, random_prompt, relative_error
+
+TOLERANCE = 1e-4
+
+
+def all_logits(engine: Engine, prompts: list[list[int]], chunks: list[int] | None = None) -> list[torch.Tensor]:
+    """Logits at every position of each prompt, all prompts in one flat batch per
+    step; ``chunks`` splits each prompt's prefill into pieces of these sizes."""
+    requests = [Request(str(i), p, SamplingParams(), frozenset()) for i, p in enumerate(prompts)]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    pending = {r.request_id: list(chunks or [len(r.prompt_token_ids)]) for r in requests}
+    while any(r.num_computed_tokens < r.num_tokens for r in requests):
+        batch = ScheduledBatch()
+        for r in requests:
+            if r.num_computed_tokens < r.num_tokens:
+                n = min(pending[r.request_id].pop(0) if pending[r.request_id] else r.num_tokens,
+                        r.num_tokens - r.num_computed_tokens)
+                assert engine.scheduler.blocks.try_allocate(r, n)
+                batch.add(r, n)
+        inputs = prepare_inputs(batch, engine.config.block_size, engine.device)
+        with torch.inference_mode():
+            hidden = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
+            step_logits = engine.model.compute_logits(hidden).float()
+        start = 0
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            logits[int(r.request_id)].append(step_logits[start : start + n])
+            r.num_computed_tokens += n
+            start += n
+    for r in requests:
+        engine.scheduler.blocks.free(r)
+    return [torch.cat(parts) for parts in logits]
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_logits_match_transformers(tiny_models, kind: str) -> None:
+    path, hf = tiny_models.get(kind)
+    engine = Engine(path, EngineConfig(num_kv_blocks=64), device="cpu", dtype=torch.float32)
+    # Lengths past 64 exercise the llama3/yarn long-context scaling and block crossings.
+    prompts = [random_prompt(n, seed=n) for n in (1, 17, 100)]
+    for prompt, ours in zip(prompts, all_logits(engine, prompts)):
+        error = relative_error(ours, hf_logits(hf, prompt))
+        assert error <= TOLERANCE, f"{kind}: relative max error {error:.2e} for length {len(prompt)}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_chunked_prefill_logits_match(tiny_models, kind: str) -> None:
+    """Prefill in chunks (cached context + new chunk, crossing block boundaries)."""
+    path, hf = tiny_models.get(kind)
+    engine = Engine(path, EngineConfig(num_kv_blocks=64), device="cpu", dtype=torch.float32)
+    prompts = [random_prompt(90, seed=1), random_prompt(45, seed=2)]
+    for prompt, ours in zip(prompts, all_logits(engine, prompts, chunks=[7, 16, 30, 1])):
+        assert relative_error(ours, hf_logits(hf, prompt)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("save_dtype,shard_size", [(torch.bfloat16, None), (torch.float16, "40KB")])
+def test_half_precision_and_sharded_checkpoints(tiny_models, save_dtype, shard_size) -> None:
+    path, hf = tiny_models.get("qwen2", save_dtype=save_dtype, shard_size=shard_size)
+    if shard_size:
+        assert (path / "model.safetensors.index.json").is_file()
+        assert len(list(path.glob("*.safetensors"))) > 1
+    engine = Engine(path, EngineConfig(num_kv_blocks=16), device="cpu", dtype=torch.float32)
+    prompt = random_prompt(40, seed=3)
+    assert relative_error(all_logits(engine, [prompt])[0], hf_logits(hf, prompt)) <= TOLERANCE
