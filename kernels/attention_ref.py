@@ -1,4 +1,9 @@
-"""Plain-torch paged attention: the definition of correct, and the CPU path."""
+"""Plain-torch paged attention: the definition of correct, and the CPU path.
+
+Decode rows (one query token) of the whole batch go through one batched SDPA call
+over their gathered blocks; prefill rows go one sequence at a time. Inputs to SDPA
+are always 4-D: on CPU, 3-D inputs and many small calls fall onto slow paths.
+"""
 
 from __future__ import annotations
 
@@ -23,12 +28,10 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def gather_sequence(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` cached tokens of one sequence: ``[seq_len, kv_heads, dim]``."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache.index_select(0, block_table[:num_blocks].long())
-    return blocks.flatten(0, 1)[:seq_len]
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The first ``num_blocks`` blocks of each table, as ``[batch, kv_heads, tokens, dim]``."""
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [batch, blocks, block_size, heads, dim]
+    return blocks.flatten(1, 2).transpose(1, 2)
 
 
 def paged_attention(
@@ -39,30 +42,35 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
-    start = 0
+    block_size = k_cache.shape[1]
+    gqa = query.shape[1] != k_cache.shape[2]
+    decodes: list[int] = []
+    row = 0
     for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        end = start + query_len
-        k = gather_sequence(k_cache, meta.block_tables[b], seq_len).to(query.dtype)
-        v = gather_sequence(v_cache, meta.block_tables[b], seq_len).to(query.dtype)
-        out[start:end] = _causal_attention(query[start:end], k, v, scale)
-        start = end
+        if query_len == 1:
+            decodes.append(b)
+        else:
+            num_blocks = -(-seq_len // block_size)
+            k = gather_blocks(k_cache, meta.block_tables[b : b + 1], num_blocks)[:, :, :seq_len]
+            v = gather_blocks(v_cache, meta.block_tables[b : b + 1], num_blocks)[:, :, :seq_len]
+            q = query[row : row + query_len].transpose(0, 1).unsqueeze(0)
+            # Query i is position seq_len - query_len + i and sees keys 0..that position.
+            q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device) <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa)
+            out[row : row + query_len] = o[0].transpose(0, 1)
+        row += query_len
+
+    if decodes:
+        index = torch.tensor(decodes, device=query.device)
+        rows = meta.query_start_loc[index].long()
+        seq_lens = meta.seq_lens[index]
+        num_blocks = -(-max(meta.seq_lens_host[b] for b in decodes) // block_size)
+        tables = meta.block_tables[index]
+        k = gather_blocks(k_cache, tables, num_blocks).to(query.dtype)
+        v = gather_blocks(v_cache, tables, num_blocks).to(query.dtype)
+        mask = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None].long()
+        q = query[rows].unsqueeze(2)  # [batch, heads, 1, dim]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
+        out[rows] = o.squeeze(2)
     return out
-
-
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q ``[q_len, heads, dim]`` are the last q_len of the seq_len positions in k/v."""
-    q_len, seq_len = q.shape[0], k.shape[0]
-    mask = None
-    if q_len > 1:
-        # Query i is position seq_len - q_len + i and sees keys 0..that position.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)
