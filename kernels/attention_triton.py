@@ -202,7 +202,8 @@ def _paged_attention_kernel(
         kv_valid = kv_pos < kv_end
         # Look the block up per key, so BLOCK_N need not equal the cache block size;
         # masked keys never touch the (padded, possibly garbage) block-table tail.
-        block = tl.load(block_table + (kv_pos // BLOCK_SIZE) * stride_btn, mask=kv_valid, other=0).to(tl.int64)
+        block = tl.load(block_table + (kv_pos // BLOCK_SIZE) * stride_btn, mask=kv_valid, other=0)
+        block = block.to(tl.int64)  # block * stride can overflow int32 in a large cache
         offset = kv_pos % BLOCK_SIZE
         kv_mask = kv_valid[:, None] & dim_valid[None, :]
 

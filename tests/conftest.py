@@ -3,11 +3,17 @@ our model on them directly (all-position logits) for comparison with transformer
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which
+    # must be chosen before triton is first imported (transformers imports it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES_HF = SHARED / "models" / "stories260K-hf"

@@ -1,22 +1,25 @@
 """The Triton paged-attention kernels against the plain-torch reference.
 
-Runs on CPU through the Triton interpreter, so sizes are kept small. The dispatcher in
+On a CUDA machine the kernels are compiled and run on the GPU; elsewhere they run on
+CPU tensors in the Triton interpreter, so sizes are kept small. The dispatcher in
 ``attention.py`` only picks Triton for CUDA tensors, hence the direct calls here.
 """
 
-import os
+import pytest
+import torch
 
-# The interpreter is chosen when triton is first imported, so this must come first.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-import torch  # noqa: E402
+# conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything
+# imports triton (the interpreter must be chosen before the first import).
+triton = pytest.importorskip("triton")
 
 from localserve.kernels import attention_ref, attention_triton  # noqa: E402
 from localserve.kernels.attention import AttentionMetadata  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = not isinstance(triton.language.zeros, triton.runtime.JITFunction)
+if DEVICE.type == "cpu" and not INTERPRETED:
+    pytest.skip("no GPU and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -51,6 +54,7 @@ class Batch:
         cache_dtype: torch.dtype | None = None,
         spare_blocks: int = 5,
         seed: int = 0,
+        device: torch.device = DEVICE,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         cache_dtype = cache_dtype or dtype
@@ -63,7 +67,8 @@ class Batch:
 
         # Blocks are drawn without replacement from a shuffled pool, so each sequence's
         # blocks are scattered and out of order. Table padding points at a spare (NaN)
-        # block: the reference never reads it, so neither may the kernel.
+        # block: a valid index (the reference may gather it, then mask it out), whose
+        # contents the kernel must never let into its output.
         pool = torch.randperm(num_blocks, generator=gen)
         block_tables = torch.full((len(shape), max_blocks), int(pool[-1]), dtype=torch.int32)
         used = 0
@@ -85,8 +90,8 @@ class Batch:
         self.v_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype)
         ctx = torch.tensor(context_slots, dtype=torch.long)
         kv_shape = (len(context_slots), num_kv_heads, head_dim)
-        self.k_cache.view(-1, num_kv_heads, head_dim)[ctx] = torch.randn(kv_shape, generator=gen).to(cache_dtype)
-        self.v_cache.view(-1, num_kv_heads, head_dim)[ctx] = torch.randn(kv_shape, generator=gen).to(cache_dtype)
+        for cache in (self.k_cache, self.v_cache):
+            cache.view(-1, num_kv_heads, head_dim)[ctx] = torch.randn(kv_shape, generator=gen).to(cache_dtype)
 
         num_tokens = sum(query_lens)
         self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
@@ -106,12 +111,20 @@ class Batch:
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
+        # Built on CPU, so a seed gives the same batch on every device.
+        for name in ("k_cache", "v_cache", "query", "key", "value"):
+            setattr(self, name, getattr(self, name).to(device))
+        for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(self.meta, field, getattr(self.meta, field).to(device))
 
     def write_with_reference(self) -> None:
         attention_ref.write_kv(self.key, self.value, self.k_cache, self.v_cache, self.meta.slot_mapping)
 
     def reference(self) -> torch.Tensor:
-        return attention_ref.paged_attention(self.query, self.k_cache, self.v_cache, self.meta, self.scale)
+        # The reference may gather unowned slots and mask them in SDPA, where a NaN
+        # value still poisons the row (0 * NaN); the NaNs are for the kernel only.
+        k_cache, v_cache = self.k_cache.nan_to_num(0.0), self.v_cache.nan_to_num(0.0)
+        return attention_ref.paged_attention(self.query, k_cache, v_cache, self.meta, self.scale)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -139,8 +152,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def test_write_kv_matches_reference(
     dtype: torch.dtype, cache_dtype: torch.dtype, num_kv_heads: int, head_dim: int
 ) -> None:
-    batch = Batch(MIXED, num_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                  dtype=dtype, cache_dtype=cache_dtype)
+    batch = Batch(
+        MIXED,
+        num_heads=num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+    )
     k_expected, v_expected = batch.k_cache.clone(), batch.v_cache.clone()
     attention_ref.write_kv(batch.key, batch.value, k_expected, v_expected, batch.meta.slot_mapping)
 
@@ -178,7 +197,7 @@ def test_write_kv_skips_negative_slots() -> None:
 # The Triton interpreter does not do bfloat16 arithmetic (it keeps bf16 as raw uint16 and
 # its tl.dot multiplies the bit patterns, triton-lang/triton#11584), so bf16 attention
 # can only be checked on a GPU; bf16 loads/stores/casts do work and write_kv covers them.
-BF16_NEEDS_GPU = pytest.mark.skip(reason="Triton interpreter has no bfloat16 tl.dot")
+BF16_NEEDS_GPU = pytest.mark.skipif(INTERPRETED, reason="Triton interpreter has no bfloat16 tl.dot")
 
 
 @pytest.mark.parametrize(
@@ -192,7 +211,9 @@ BF16_NEEDS_GPU = pytest.mark.skip(reason="Triton interpreter has no bfloat16 tl.
         pytest.param(4, 1, 80, id="mqa-d80"),
     ],
 )
-def test_paged_attention_mixed_batch(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def test_paged_attention_mixed_batch(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
     batch = Batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
     batch.write_with_reference()
 
