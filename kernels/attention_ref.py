@@ -30,8 +30,11 @@ def write_kv(
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """The first ``num_blocks`` blocks of each table, as ``[batch, kv_heads, tokens, dim]``."""
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [batch, blocks, block_size, heads, dim]
-    return blocks.flatten(1, 2).transpose(1, 2)
+    batch = block_tables.shape[0]
+    # index_select on flat block ids copies far faster on CPU than advanced indexing.
+    ids = block_tables[:, :num_blocks].reshape(-1).long()
+    blocks = cache.index_select(0, ids).view(batch, -1, *cache.shape[2:])
+    return blocks.transpose(1, 2)
 
 
 def paged_attention(
