@@ -2,9 +2,14 @@
 padded static batch), same random-weight Llama-shaped model, measured in one run.
 
     python benchmarks/offline_throughput.py [--requests 32] [--prompt-len 128] [--output-len 128]
+        [--varied] [--skip-one-at-a-time]
 
-Prints output tokens/s for each and the ratios. Every request generates exactly
---output-len tokens (EOS ignored), so all three do the same work.
+Prints useful output tokens/s for each and the ratios. EOS is ignored, so every
+request generates exactly its own output length and all three do the same useful work.
+The default workload gives every request the same lengths (the best case for a static
+batch: no padding, nobody finishes early). --varied draws prompt and output lengths
+uniformly from [len/4, 7*len/4] (same means): the static batch then pads prompts to the
+longest and decodes until the longest output is done, as static batching must.
 """
 
 from __future__ import annotations
@@ -35,16 +40,16 @@ def build_checkpoint(path: Path, args: argparse.Namespace) -> None:
     model.save_pretrained(path)
 
 
-def bench_localserve(path: Path, prompts: list[list[int]], output_len: int) -> float:
+def bench_localserve(path: Path, prompts: list[list[int]], output_lens: list[int]) -> float:
     from localserve import LLM, SamplingParams
 
     llm = LLM(path, device="cpu", dtype=torch.float32, max_num_seqs=len(prompts))
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == output_len for o in outputs)
+    assert [len(o.token_ids) for o in outputs] == output_lens
     return elapsed
 
 
@@ -56,30 +61,33 @@ def load_hf(path: Path):  # type: ignore[no-untyped-def]
     return model
 
 
-def hf_generate(model, batch: torch.Tensor, output_len: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def hf_generate(model, prompts: list[list[int]], output_len: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One generate call over the prompts, left-padded to the longest."""
+    width = max(map(len, prompts))
+    batch = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        return model.generate(
-            batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
-            min_new_tokens=output_len, do_sample=False,
+        out = model.generate(
+            batch, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False
         )
+    assert out.shape[1] == width + output_len
+    return out
 
 
-def bench_hf_one_at_a_time(model, prompts: list[list[int]], output_len: int) -> float:  # type: ignore[no-untyped-def]
-    hf_generate(model, torch.tensor([prompts[0]]), 4)  # warm-up
+def bench_hf_one_at_a_time(model, prompts: list[list[int]], output_lens: list[int]) -> float:  # type: ignore[no-untyped-def]
+    hf_generate(model, prompts[:1], 4)  # warm-up
     start = time.perf_counter()
-    for prompt in prompts:
-        hf_generate(model, torch.tensor([prompt]), output_len)
+    for prompt, output_len in zip(prompts, output_lens):
+        hf_generate(model, [prompt], output_len)
     return time.perf_counter() - start
 
 
-def bench_hf_static_batch(model, prompts: list[list[int]], output_len: int) -> float:  # type: ignore[no-untyped-def]
-    batch = torch.tensor(prompts)  # equal lengths: no padding needed
-    hf_generate(model, batch[:2], 4)  # warm-up
+def bench_hf_static_batch(model, prompts: list[list[int]], output_lens: list[int]) -> float:  # type: ignore[no-untyped-def]
+    hf_generate(model, prompts[:2], 4)  # warm-up
     start = time.perf_counter()
-    out = hf_generate(model, batch, output_len)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == batch.shape[1] + output_len
-    return elapsed
+    # A static batch runs until its longest request is done.
+    hf_generate(model, prompts, max(output_lens))
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -87,22 +95,31 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--varied", action="store_true", help="lengths drawn from [len/4, 7*len/4]")
     parser.add_argument("--skip-one-at-a-time", action="store_true", help="the slowest of the three")
     args = parser.parse_args()
-    torch.manual_seed(1)
-    prompts = torch.randint(3, 32000, (args.requests, args.prompt_len)).tolist()
-    total_tokens = args.requests * args.output_len
-    print(f"threads: {torch.get_num_threads()}; {args.requests} requests x {args.prompt_len} prompt "
-          f"+ {args.output_len} output tokens")
+    generator = torch.Generator().manual_seed(1)
+
+    def lengths(mean: int) -> list[int]:
+        if not args.varied:
+            return [mean] * args.requests
+        return torch.randint(mean // 4, mean * 7 // 4 + 1, (args.requests,), generator=generator).tolist()
+
+    prompts = [torch.randint(3, 32000, (n,), generator=generator).tolist() for n in lengths(args.prompt_len)]
+    output_lens = lengths(args.output_len)
+    total_tokens = sum(output_lens)
+    shape = "varied lengths, means" if args.varied else "each"
+    print(f"threads: {torch.get_num_threads()}; {args.requests} requests, {shape} {args.prompt_len} prompt "
+          f"+ {args.output_len} output tokens ({total_tokens} output tokens in all)")
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         build_checkpoint(path, args)
-        times = {"localserve": bench_localserve(path, prompts, args.output_len)}
+        times = {"localserve": bench_localserve(path, prompts, output_lens)}
         hf = load_hf(path)
-        times["HF static batch"] = bench_hf_static_batch(hf, prompts, args.output_len)
+        times["HF static batch"] = bench_hf_static_batch(hf, prompts, output_lens)
         if not args.skip_one_at_a_time:
-            times["HF one at a time"] = bench_hf_one_at_a_time(hf, prompts, args.output_len)
+            times["HF one at a time"] = bench_hf_one_at_a_time(hf, prompts, output_lens)
 
     ours = total_tokens / times["localserve"]
     print(f"\n{'engine':<20}{'seconds':>10}{'output tok/s':>14}{'localserve is':>16}")

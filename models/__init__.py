@@ -43,11 +43,12 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         slot = slots.get(name)
         if slot is None:
             raise LocalserveError(f"checkpoint tensor {name!r} does not belong to a {model.spec.architecture} model")
-        target, start = slot
-        rows = tensor.shape[0]
+        target, start, rows = slot
         expected = (rows, *target.shape[1:])
-        if tensor.shape != expected or start + rows > target.shape[0]:
-            raise LocalserveError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected a fit for {tuple(target.shape)}")
+        if tuple(tensor.shape) != expected:
+            raise LocalserveError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}"
+            )
         target.data[start : start + rows].copy_(tensor)
         filled.add(name)
     missing = sorted(set(slots) - filled)

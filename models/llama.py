@@ -55,7 +55,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         return F.linear(out.reshape(-1, self.q_size), self.o_weight)
@@ -93,8 +93,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, positions, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.attn(self.input_norm(x), positions, k_cache, v_cache, meta)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -102,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, max_position: int, device: torch.device) -> None:
         super().__init__()
         self.spec = spec
-        rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_position, device)
+        self.rotary = rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_position, device)
         self.embed_weight = _weight(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -119,36 +126,42 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V."""
         x = F.embedding(input_ids, self.embed_weight)
+        rope = self.rotary.lookup(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, k_cache, v_cache, meta)
+            x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)
 
-    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """HF tensor name -> (our tensor, first row it fills). Fused tensors take several."""
-        slots: dict[str, tuple[torch.Tensor, int]] = {
-            "model.embed_tokens.weight": (self.embed_weight, 0),
-            "model.norm.weight": (self.norm.weight, 0),
-        }
+    def checkpoint_slots(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (our tensor, first row it fills, rows it fills).
+        Fused tensors are filled by several checkpoint tensors, one row range each."""
+        slots: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def whole(name: str, tensor: torch.Tensor) -> None:
+            slots[name] = (tensor, 0, tensor.shape[0])
+
+        whole("model.embed_tokens.weight", self.embed_weight)
+        whole("model.norm.weight", self.norm.weight)
         if not self.spec.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head_weight, 0)
+            whole("lm_head.weight", self.lm_head_weight)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.attn, layer.mlp
-            q_rows, kv_rows = attn.q_size, attn.kv_size
-            for part, start in (("q", 0), ("k", q_rows), ("v", q_rows + kv_rows)):
-                slots[f"{prefix}self_attn.{part}_proj.weight"] = (attn.qkv_weight, start)
+            q, kv = attn.q_size, attn.kv_size
+            for part, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                slots[f"{prefix}self_attn.{part}_proj.weight"] = (attn.qkv_weight, start, rows)
                 if attn.qkv_bias is not None:
-                    slots[f"{prefix}self_attn.{part}_proj.bias"] = (attn.qkv_bias, start)
-            slots[f"{prefix}self_attn.o_proj.weight"] = (attn.o_weight, 0)
+                    slots[f"{prefix}self_attn.{part}_proj.bias"] = (attn.qkv_bias, start, rows)
+            whole(f"{prefix}self_attn.o_proj.weight", attn.o_weight)
             if attn.q_norm is not None:
-                slots[f"{prefix}self_attn.q_norm.weight"] = (attn.q_norm.weight, 0)
-                slots[f"{prefix}self_attn.k_norm.weight"] = (attn.k_norm.weight, 0)
-            slots[f"{prefix}mlp.gate_proj.weight"] = (mlp.gate_up_weight, 0)
-            slots[f"{prefix}mlp.up_proj.weight"] = (mlp.gate_up_weight, mlp.intermediate_size)
-            slots[f"{prefix}mlp.down_proj.weight"] = (mlp.down_weight, 0)
-            slots[f"{prefix}input_layernorm.weight"] = (layer.input_norm.weight, 0)
-            slots[f"{prefix}post_attention_layernorm.weight"] = (layer.post_attention_norm.weight, 0)
+                whole(f"{prefix}self_attn.q_norm.weight", attn.q_norm.weight)
+                whole(f"{prefix}self_attn.k_norm.weight", attn.k_norm.weight)
+            size = mlp.intermediate_size
+            slots[f"{prefix}mlp.gate_proj.weight"] = (mlp.gate_up_weight, 0, size)
+            slots[f"{prefix}mlp.up_proj.weight"] = (mlp.gate_up_weight, size, size)
+            whole(f"{prefix}mlp.down_proj.weight", mlp.down_weight)
+            whole(f"{prefix}input_layernorm.weight", layer.input_norm.weight)
+            whole(f"{prefix}post_attention_layernorm.weight", layer.post_attention_norm.weight)
         return slots

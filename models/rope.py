@@ -62,7 +62,7 @@ def _yarn(inv_freq: torch.Tensor, rope: RopeSpec, rotary_dim: int) -> tuple[torc
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies rotary embeddings to q and k at arbitrary (flat-batch) positions."""
+    """Rotary embeddings at arbitrary (flat-batch) positions."""
 
     def __init__(self, rope: RopeSpec, head_dim: int, max_position: int, device: torch.device) -> None:
         super().__init__()
@@ -73,15 +73,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", (angles.cos() * scale).repeat(1, 2).to(device), persistent=False)
         self.register_buffer("sin", (angles.sin() * scale).repeat(1, 2).to(device), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[tokens, heads, head_dim]``, k ``[tokens, kv_heads, head_dim]``."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[tokens, 1, rotary_dim]`` at these positions; once per forward,
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [tokens, heads, head_dim]``; dimensions past rotary_dim pass through."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
