@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from ..errors import LocalserveError
+from ..kernels.quant_linear import QuantWeight
 from . import hf
+from .hf_quant import QuantConfig, convert_quantized, quant_config_from
 from .spec import ModelSpec, RopeSpec
 
 
@@ -19,9 +21,11 @@ class Checkpoint:
     path: Path
     spec: ModelSpec
     files: list[Path]
+    quant: QuantConfig | None = None  # GPTQ/AWQ layers come out as QuantWeights
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return hf.iter_tensors(self.files)
+    def weights(self) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        tensors = hf.iter_tensors(self.files)
+        return convert_quantized(tensors, self.quant) if self.quant else tensors
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -34,7 +38,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     config = hf.read_config(path)
     spec = hf.spec_from_config(config)
     _merge_generation_eos(path, spec)
-    return Checkpoint(path=path, spec=spec, files=hf.shard_files(path))
+    return Checkpoint(path=path, spec=spec, files=hf.shard_files(path), quant=quant_config_from(config))
 
 
 def _merge_generation_eos(path: Path, spec: ModelSpec) -> None:

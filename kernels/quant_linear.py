@@ -1,0 +1,122 @@
+"""Group-quantized weights and the linear layer over them.
+
+Every quantized on-disk format (GPTQ, AWQ, GGUF block types) is re-packed at load
+time into one layout, ``QuantWeight``, without loss: the values ``dequantize``
+produces equal the format's own dequantization exactly (same fp32 operations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A weight ``[out_features, in_features]`` in groups of ``group_size`` inputs.
+
+    Element ``(n, k)``, group ``g = k // group_size``, code ``q``:
+
+    - ``scales[n, g] * (q - zeros[n, g])`` when ``zeros`` is set (GPTQ, AWQ, Q4_0, Q6_K, ...)
+    - ``scales[n, g] * q - mins[n, g]`` when ``mins`` is set (Q4_1, Q4_K, ...)
+
+    computed in fp32. Codes of up to 4 bits are stored two per byte (input ``2j`` in
+    the low nibble, ``2j + 1`` in the high one), wider codes one per byte.
+    With ``perm`` (GPTQ act-order) the columns are stored in group order and the layer
+    computes ``x[..., perm] @ W.T``.
+    """
+
+    bits: int
+    group_size: int
+    codes: torch.Tensor  # uint8 [N, K // 2] (bits <= 4) or [N, K]
+    scales: torch.Tensor  # [N, K // group_size], fp16 or fp32
+    zeros: torch.Tensor | None = None  # uint8 [N, groups]
+    mins: torch.Tensor | None = None  # fp32 [N, groups]
+    perm: torch.Tensor | None = None  # int64 [K]
+
+    def __post_init__(self) -> None:
+        if (self.zeros is None) == (self.mins is None):
+            raise ValueError("a QuantWeight has either zeros or mins")
+
+    @property
+    def packed(self) -> bool:
+        return self.bits <= 4
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * (2 if self.packed else 1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.codes, self.scales, self.zeros, self.mins, self.perm)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def to(self, device: torch.device) -> QuantWeight:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, codes=move(self.codes), scales=move(self.scales), zeros=move(self.zeros),
+                       mins=move(self.mins), perm=move(self.perm))
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The given output rows (an embedding lookup)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, index)
+
+        return replace(self, codes=pick(self.codes), scales=pick(self.scales), zeros=pick(self.zeros),
+                       mins=pick(self.mins))
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[N, K]`` into QuantWeight's storage."""
+    codes = codes.to(torch.uint8)
+    if bits > 4:
+        return codes.contiguous()
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def unpack_codes(weight: QuantWeight) -> torch.Tensor:
+    if not weight.packed:
+        return weight.codes
+    low, high = weight.codes & 0xF, weight.codes >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight ``[N, K]`` (columns in stored order; see ``perm``)."""
+    n, k = weight.shape
+    q = unpack_codes(weight).float().view(n, -1, weight.group_size)
+    scales = weight.scales.float().unsqueeze(-1)
+    if weight.zeros is not None:
+        w = scales * (q - weight.zeros.float().unsqueeze(-1))
+    else:
+        w = scales * q - weight.mins.float().unsqueeze(-1)
+    return w.view(n, k).to(dtype)
+
+
+def dequantize_in_input_order(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dense weight with columns in the layer's input order (undoing ``perm``)."""
+    dense = dequantize(weight, dtype)
+    if weight.perm is None:
+        return dense
+    out = torch.empty_like(dense)
+    out[:, weight.perm] = dense
+    return out
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a QuantWeight; the reference dequantizes then multiplies."""
+    if weight.perm is not None:
+        x = x.index_select(-1, weight.perm)
+    return F.linear(x, dequantize(weight, x.dtype), bias)

@@ -1,0 +1,105 @@
+"""Building blocks whose weights may be dense or quantized."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localserve.kernels.quant_linear import QuantWeight, dequantize, quant_linear
+
+Weight = torch.Tensor | QuantWeight
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the model dtype, as the reference implementations do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _can_fuse(weights: list[QuantWeight]) -> bool:
+    first = weights[0]
+    return all(
+        w.perm is None
+        and (w.bits, w.group_size, w.scales.dtype, w.zeros is None) == (first.bits, first.group_size, first.scales.dtype, first.zeros is None)
+        for w in weights
+    )
+
+
+def _concat_rows(weights: list[QuantWeight]) -> QuantWeight:
+    def cat(field: str) -> torch.Tensor | None:
+        parts = [getattr(w, field) for w in weights]
+        return None if parts[0] is None else torch.cat(parts)
+
+    first = weights[0]
+    return QuantWeight(first.bits, first.group_size, cat("codes"), cat("scales"), cat("zeros"), cat("mins"))
+
+
+class Linear(nn.Module):
+    """``x @ W.T (+ b)`` with W dense or quantized.
+
+    A fused projection (Q/K/V, gate/up) is filled by one checkpoint tensor per part;
+    ``finalize`` joins the parts into a single matmul when their layouts agree (all
+    dense, or quantized alike without act-order) and otherwise keeps one per part.
+    """
+
+    def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.part_sizes = part_sizes
+        self.parts: list[Weight | None] = [None] * len(part_sizes)
+        self.bias_parts: list[torch.Tensor | None] | None = [None] * len(part_sizes) if bias else None
+        self.weights: list[Weight] = []
+        self.bias: torch.Tensor | None = None
+
+    def expected_shape(self, part: int, is_bias: bool) -> tuple[int, ...]:
+        return (self.part_sizes[part],) if is_bias else (self.part_sizes[part], self.in_features)
+
+    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+        parts = self.parts
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            self.weights = [torch.cat(parts).to(device, dtype)]  # type: ignore[arg-type]
+        elif all(isinstance(p, QuantWeight) for p in parts) and _can_fuse(parts):  # type: ignore[arg-type]
+            self.weights = [_concat_rows(parts).to(device)]  # type: ignore[arg-type]
+        else:
+            self.weights = [p.to(device) if isinstance(p, QuantWeight) else p.to(device, dtype) for p in parts]  # type: ignore[union-attr]
+        if self.bias_parts is not None:
+            self.bias = torch.cat(self.bias_parts).to(device, dtype)  # type: ignore[arg-type]
+        self.parts, self.bias_parts = [], None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.weights) == 1:
+            return _matmul(x, self.weights[0], self.bias)
+        out = torch.cat([_matmul(x, w) for w in self.weights], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size() for w in self.weights)
+
+
+class Embedding(Linear):
+    """Token embeddings (one part of ``vocab`` rows); also usable as the tied LM head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(hidden_size, [vocab_size])
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        weight = self.weights[0]
+        if isinstance(weight, QuantWeight):
+            # Dequantize only the rows asked for: the table stays quantized.
+            return dequantize(weight.rows(ids), dtype)
+        return F.embedding(ids, weight)
