@@ -32,7 +32,7 @@ class QuantWeight:
     group_size: int
     codes: torch.Tensor  # uint8 [N, K // 2] (bits <= 4) or [N, K]
     scales: torch.Tensor  # [N, K // group_size], fp16 or fp32
-    zeros: torch.Tensor | None = None  # uint8 [N, groups]
+    zeros: torch.Tensor | None = None  # uint8 (int16 if a zero exceeds 255) [N, groups]
     mins: torch.Tensor | None = None  # fp32 [N, groups]
     perm: torch.Tensor | None = None  # int64 [K]
 

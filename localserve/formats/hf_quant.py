@@ -111,7 +111,8 @@ def gptq_to_quant_weight(prefix: str, parts: dict[str, torch.Tensor], config: Qu
         group_size=group_size,
         codes=pack_codes(codes, bits),
         scales=scales.t().contiguous(),
-        zeros=zeros.to(torch.uint8).contiguous(),
+        # v1's +1 turns a stored 255 into 256: keep such zeros exact in int16.
+        zeros=zeros.to(torch.uint8 if zeros.max() <= 255 else torch.int16).contiguous(),
         perm=perm,
     )
 
