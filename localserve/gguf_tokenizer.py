@@ -102,6 +102,8 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
     eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", default_eos, vocab)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+    if (add_bos and bos_id is None) or (add_eos and eos_id is None):
+        raise LocalserveError("GGUF metadata: add_bos_token/add_eos_token is set but the token id is missing")
     _add_special_tokens(backend, metadata, vocab)
     backend.post_processor = _post_processor(vocab, bos_id if add_bos else None, eos_id if add_eos else None)
 
@@ -112,10 +114,10 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
         # The post-processor already appends EOS; recorded for readers of the config.
         "add_eos_token": add_eos,
     }
-    for key, name in (("tokenizer.ggml.unknown_token_id", "unk_token"), ("tokenizer.ggml.padding_token_id", "pad_token")):
-        token_id = _token_id(metadata, key, None, vocab)
+    for name in ("unknown", "padding"):
+        token_id = _token_id(metadata, f"tokenizer.ggml.{name}_token_id", None, vocab)
         if token_id is not None:
-            config[name] = vocab.tokens[token_id]
+            config["unk_token" if name == "unknown" else "pad_token"] = vocab.tokens[token_id]
     template = metadata.get("tokenizer.chat_template")
     if isinstance(template, str):
         config["chat_template"] = template
@@ -131,7 +133,9 @@ def _read_vocab(metadata: Mapping[str, Any]) -> _Vocab:
     ids: dict[str, int] = {}
     for index, token in enumerate(tokens):
         if token in ids:
-            raise LocalserveError(f"GGUF metadata: token {token!r} appears twice (ids {ids[token]} and {index})")
+            raise LocalserveError(
+                f"GGUF metadata: token {token!r} appears twice (ids {ids[token]} and {index})"
+            )
         ids[token] = index
     types = metadata.get("tokenizer.ggml.token_type")
     if types is None:
@@ -163,7 +167,12 @@ def _spm_backend(metadata: Mapping[str, Any], vocab: _Vocab) -> HFTokenizer:
     backend.normalizer = (
         normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), escape]) if add_space_prefix else escape
     )
-    steps: list[decoders.Decoder] = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    # Byte tokens become bytes, and the bytes of one character come together again.
+    steps: list[decoders.Decoder] = [
+        decoders.Replace(_SPM_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
     if add_space_prefix:
         # The space the encoder put in front comes off again (one, at the very start).
         steps.append(decoders.Strip(" ", 1, 0))
@@ -179,8 +188,8 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[
     tokens, ranked by the score of the token they make. Equal scores (Llama's runs of "▁", all
     scored -1e9) are merged leftmost-first by llama.cpp; ranking the longer result first has the
     same effect here, because then a run grows from its left end before a new pair further right
-    is started. (Two splits of one token racing at overlapping places could still pick differently;
-    real vocabularies give the same ids, see the tests.)
+    is started. (Two splits of one token competing at overlapping places could still be picked
+    differently; llama.cpp's test vectors for Llama-2 and Phi-3 all come out equal.)
     """
     ids = {token: index for index, token in enumerate(tokens)}
     ranked: list[tuple[float, int, int, int, str, str]] = []
@@ -207,7 +216,7 @@ def _pre_tokenizer(metadata: Mapping[str, Any]) -> _PreTokenizer:
 def _byte_level_backend(metadata: Mapping[str, Any], vocab: _Vocab, pre: _PreTokenizer) -> HFTokenizer:
     raw_merges = metadata.get("tokenizer.ggml.merges")
     if not _is_list_of(raw_merges, str):
-        raise LocalserveError("GGUF metadata: a 'gpt2' tokenizer needs tokenizer.ggml.merges (a list of strings)")
+        raise LocalserveError("GGUF metadata: a 'gpt2' tokenizer needs tokenizer.ggml.merges (strings)")
     merges: list[tuple[str, str]] = []
     for merge in raw_merges:
         # Split at the first space after the first character, as llama.cpp does (the byte-level
@@ -232,8 +241,8 @@ def _byte_level_backend(metadata: Mapping[str, Any], vocab: _Vocab, pre: _PreTok
 
 
 def _add_special_tokens(backend: HFTokenizer, metadata: Mapping[str, Any], vocab: _Vocab) -> None:
-    # llama.cpp lets Phi-3's special tokens (and "</s>") swallow the whitespace after them, all
-    # but <unk>, <s> and <|endoftext|>; it recognises Phi-3 by the model's name.
+    # llama.cpp lets Phi-3's added tokens swallow the whitespace after them, all but <unk>, <s>
+    # and <|endoftext|> (so does Phi-3's tokenizer.json); it recognises Phi-3 by the model's name.
     name = metadata.get("general.name")
     phi3 = isinstance(name, str) and any(key in name.lower() for key in ("phi-3", "phi3"))
     special: list[AddedToken] = []
@@ -242,8 +251,7 @@ def _add_special_tokens(backend: HFTokenizer, metadata: Mapping[str, Any], vocab
         is_special = token_type in (_CONTROL, _UNKNOWN) or token in _EOG_TEXTS
         if not is_special and token_type != _USER_DEFINED:
             continue
-        rstrip = phi3 and (is_special or token_type == _USER_DEFINED or token == "</s>")
-        rstrip = rstrip and token not in ("<unk>", "<s>", "<|endoftext|>")
+        rstrip = phi3 and token not in ("<unk>", "<s>", "<|endoftext|>")
         # normalized=False: matched in the raw text, before "▁" escaping, as llama.cpp does.
         added = AddedToken(token, normalized=False, special=is_special, rstrip=rstrip)
         (special if is_special else plain).append(added)
@@ -274,13 +282,19 @@ def _post_processor(vocab: _Vocab, bos_id: int | None, eos_id: int | None) -> pr
 
 
 def _token_id(metadata: Mapping[str, Any], key: str, default: int | None, vocab: _Vocab) -> int | None:
-    value = metadata.get(key, default)
+    value = metadata.get(key)
     if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(vocab.tokens):
-        raise LocalserveError(f"GGUF metadata: {key} = {value!r} is not a token id (vocabulary of {len(vocab.tokens)})")
-    return value
+        value = default
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise LocalserveError(f"GGUF metadata: {key} = {value!r} is not a token id")
+    elif not 0 <= value < len(vocab.tokens):
+        # Files write "none" as 0xFFFFFFFF (-1 as uint32); llama.cpp ignores an id outside the
+        # vocabulary and keeps its default, and so do we.
+        value = default
+    return value if value is not None and 0 <= value < len(vocab.tokens) else None
 
 
 def _is_list_of(value: Any, kinds: type | tuple[type, ...]) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(item, kinds) and not isinstance(item, bool) for item in value)
+    if not isinstance(value, (list, tuple)):
+        return False
+    return all(isinstance(item, kinds) and not isinstance(item, bool) for item in value)

@@ -14,6 +14,8 @@ def inverse_frequencies(rope: RopeSpec, rotary_dim: int) -> tuple[torch.Tensor, 
     """Per-pair rotation speeds and the scale YaRN applies to cos/sin (1 elsewhere)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
     inv_freq = 1.0 / rope.theta**exponents
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
     if rope.kind == "default":
         return inv_freq.float(), 1.0
     if rope.kind == "linear":

@@ -80,7 +80,8 @@ def test_ids_match_llama_cpp_vectors(name: str) -> None:
         for text, expected in vectors
         if (got := tokenizer.encode(text, add_special_tokens=False)) != expected
     ]
-    assert not failures, f"{len(vectors) - len(failures)}/{len(vectors)} vectors match; first misses: {failures[:3]}"
+    matched = len(vectors) - len(failures)
+    assert not failures, f"{matched}/{len(vectors)} vectors match; first misses: {failures[:3]}"
     assert len(vectors) == 46
 
 
@@ -101,6 +102,16 @@ def test_eos_token_ids() -> None:
     assert _tokenizer("llama-spm").eos_token_id == 2
     assert _tokenizer("phi-3").eos_token_id == 32000
     assert _tokenizer("gpt-2").eos_token_id == 50256
+
+
+def test_out_of_range_ids_are_ignored() -> None:
+    # Written as "none" (0xFFFFFFFF) by some converters; llama.cpp keeps its default instead.
+    metadata = {**_metadata("llama-spm"), "tokenizer.ggml.bos_token_id": 2**32 - 1}
+    metadata["tokenizer.ggml.padding_token_id"] = 2**32 - 1
+    tokenizer = tokenizer_from_gguf_metadata(metadata)
+    assert tokenizer.bos_token_id == 1 and "pad_token" not in tokenizer.config
+    metadata = {**_metadata("gpt-2"), "tokenizer.ggml.eos_token_id": 2**32 - 1}
+    assert tokenizer_from_gguf_metadata(metadata).eos_token_id is None
 
 
 def test_add_eos_token_appends_eos() -> None:
@@ -124,13 +135,17 @@ def test_spm_leading_spaces() -> None:
     tokenizer = _tokenizer("llama-spm")
     for text in [" ", "  Hello", "\tx", " \n"]:
         assert tokenizer.decode(tokenizer.encode(text)) == text
-    # Long runs of "▁" (all scored alike in Llama's vocabulary) still round trip.
+    # Runs of "▁" tokens (1 to 16 long) all have the same score in Llama's vocabulary; llama.cpp
+    # merges equal scores leftmost first, so a run is cut into 16s from the left: 16, 16, 5, "▁x".
+    assert tokenizer.encode(" " * 37 + "x", add_special_tokens=False) == [462, 462, 418, 921]
+    assert tokenizer.encode("a" + " " * 20 + "b", add_special_tokens=False) == [263, 462, 1678, 289]
     text = " " * 37 + "x" + " " * 20
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
 def test_spm_without_space_prefix() -> None:
-    tokenizer = tokenizer_from_gguf_metadata({**_metadata("llama-spm"), "tokenizer.ggml.add_space_prefix": False})
+    metadata = {**_metadata("llama-spm"), "tokenizer.ggml.add_space_prefix": False}
+    tokenizer = tokenizer_from_gguf_metadata(metadata)
     assert tokenizer.encode("Hello world", add_special_tokens=False) == [10994, 3186]  # "Hello", "▁world"
     assert tokenizer.decode([29871, 15043]) == "  Hello"  # nothing stripped
 
@@ -206,7 +221,8 @@ def test_pre_tokenizer_regexes() -> None:
     # whitespace run gives its last space to the word after it.
     assert _pre_tokens(_tokenizer("gpt-2"), text) == ["I", "'", "VE", "Ġ12345", "Ġapples", "ĊĊĠ", "Ġok"]
     # Llama 3: digits in threes, contractions case-insensitive, newlines kept together.
-    assert _pre_tokens(_gpt2_with_pre("llama-bpe"), text) == ["I", "'VE", "Ġ", "123", "45", "Ġapples", "ĊĊ", "Ġ", "Ġok"]
+    llama3 = ["I", "'VE", "Ġ", "123", "45", "Ġapples", "ĊĊ", "Ġ", "Ġok"]
+    assert _pre_tokens(_gpt2_with_pre("llama-bpe"), text) == llama3
     # Qwen2: digits one by one.
     assert _pre_tokens(_gpt2_with_pre("qwen2"), text)[3:8] == ["1", "2", "3", "4", "5"]
     # Whatever the split, byte-level BPE stays lossless.
@@ -217,8 +233,9 @@ def test_pre_tokenizer_regexes() -> None:
 
 
 def test_llama3_defaults() -> None:
-    metadata = {key: value for key, value in _metadata("gpt-2").items() if key != "tokenizer.ggml.add_bos_token"}
-    tokenizer = tokenizer_from_gguf_metadata({**metadata, "tokenizer.ggml.pre": "llama-bpe"})
+    metadata = {**_metadata("gpt-2"), "tokenizer.ggml.pre": "llama-bpe"}
+    assert "tokenizer.ggml.add_bos_token" not in metadata
+    tokenizer = tokenizer_from_gguf_metadata(metadata)
     # llama.cpp adds BOS for Llama 3 vocabularies unless the file says otherwise.
     assert tokenizer.add_bos_token
     assert tokenizer.encode("Hello")[0] == 50256
@@ -233,9 +250,10 @@ def test_llama3_defaults() -> None:
         ({"tokenizer.ggml.pre": None}, "pre-tokenizer None"),
         ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges"),
         ({"tokenizer.ggml.merges": ["Ġ nosuchtoken"]}, "not in the vocabulary"),
-        ({"tokenizer.ggml.bos_token_id": 10**6}, "bos_token_id"),
+        ({"tokenizer.ggml.bos_token_id": "50256"}, "bos_token_id"),
         ({"tokenizer.ggml.token_type": [1, 2]}, "token_type"),
         ({"tokenizer.ggml.tokens": ["a", "b", "a"]}, "appears twice"),
+        ({"tokenizer.ggml.bos_token_id": None, "tokenizer.ggml.add_bos_token": True}, "token id is missing"),
     ],
 )
 def test_bad_metadata_is_a_clear_error(change: dict[str, Any], message: str) -> None:

@@ -21,6 +21,8 @@ class RopeSpec:
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn: cos/sin scale; None = derived from factor
     partial_rotary_factor: float = 1.0
+    # GGUF's rope_freqs tensor: each pair's frequency is divided by its factor.
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,172 @@
+"""GGUF files (llama, qwen2, qwen3 architectures) -> ModelSpec + named weights.
+
+Tensor names are mapped to HF's; block-quantized tensors become QuantWeights without
+loss (``gguf_quants``). llama.cpp's converter stores the Q and K projections of arch
+``llama`` with rotary pairs interleaved (rows permuted per head); we put the rows back
+in HF's half-split order so one rotary implementation serves every format.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import LocalserveError
+from ..kernels.quant_linear import QuantWeight
+from .gguf_file import GGUFFile
+from .gguf_quants import gguf_to_weight
+from .spec import ModelSpec, RopeSpec
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Per-dimension rotary frequency divisors (llama.cpp's form of llama3 rope scaling).
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    return None
+
+
+class _Metadata:
+    """Typed access to ``<arch>.*`` keys, with errors that name the file and key."""
+
+    def __init__(self, gguf: GGUFFile, arch: str) -> None:
+        self.gguf, self.arch = gguf, arch
+
+    def get(self, key: str, kind: type, default: Any = ...) -> Any:
+        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
+        value = self.gguf.metadata.get(full, default)
+        if value is ...:
+            raise LocalserveError(f"{self.gguf.path}: metadata {full} is missing")
+        if value is None or value is default:
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+        raise LocalserveError(f"{self.gguf.path}: metadata {full} has an unexpected value {value!r}")
+
+
+def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
+    arch = gguf.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise LocalserveError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    md = _Metadata(gguf, arch)
+    if md.get("expert_count", int, 0):
+        raise LocalserveError(f"{gguf.path}: mixture-of-experts GGUF models are not supported yet")
+    hidden = md.get("embedding_length", int)
+    heads = md.get("attention.head_count", int)
+    if not hidden or not heads:
+        raise LocalserveError(f"{gguf.path}: embedding_length and head_count must be positive")
+    kv_heads = md.get("attention.head_count_kv", int, heads) or heads
+    head_dim = md.get("attention.key_length", int, hidden // heads)
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    embed = gguf.tensors.get("token_embd.weight")
+    if embed is None:
+        raise LocalserveError(f"{gguf.path}: tensor token_embd.weight is missing")
+    vocab = embed.shape[0]
+    if isinstance(tokens, list) and len(tokens) > vocab:
+        raise LocalserveError(f"{gguf.path}: {len(tokens)} tokens but {vocab} embedding rows")
+    eos = [md.get(k, int, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+    spec = ModelSpec(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=md.get("feed_forward_length", int),
+        num_layers=md.get("block_count", int),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=md.get("attention.layer_norm_rms_epsilon", float, 1e-5),
+        rope=_rope(gguf, md, head_dim),
+        max_position_embeddings=md.get("context_length", int, 4096),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id", int, None),
+        eos_token_ids=list(dict.fromkeys(e for e in eos if e is not None)),
+    )
+    if spec.num_heads % spec.num_kv_heads:
+        raise LocalserveError(f"{gguf.path}: head_count must be a multiple of head_count_kv")
+    return spec
+
+
+def _rope(gguf: GGUFFile, md: _Metadata, head_dim: int) -> RopeSpec:
+    rotary_dim = md.get("rope.dimension_count", int, head_dim)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise LocalserveError(f"{gguf.path}: rope.dimension_count {rotary_dim} does not fit head size {head_dim}")
+    kind = md.get("rope.scaling.type", str, "none")
+    rope = RopeSpec(theta=md.get("rope.freq_base", float, 10000.0), partial_rotary_factor=rotary_dim / head_dim)
+    if kind in ("linear", "yarn"):
+        rope.kind = kind
+        rope.factor = md.get("rope.scaling.factor", float, 1.0)
+        rope.original_max_position = md.get("rope.scaling.original_context_length", int, None)
+        if kind == "yarn" and rope.original_max_position is None:
+            raise LocalserveError(f"{gguf.path}: yarn rope scaling needs rope.scaling.original_context_length")
+    elif kind != "none":
+        raise LocalserveError(f"{gguf.path}: rope scaling type {kind!r} is not supported (linear, yarn)")
+    info = gguf.tensors.get(ROPE_FREQS)
+    if info is not None:
+        factors = gguf_to_weight(ROPE_FREQS, gguf.tensor_bytes(ROPE_FREQS), info.ggml_type, info.shape)
+        if not isinstance(factors, torch.Tensor) or factors.shape != (rotary_dim // 2,):
+            raise LocalserveError(f"{gguf.path}: {ROPE_FREQS} must be {rotary_dim // 2} plain floats")
+        rope.freq_factors = tuple(factors.float().tolist())
+    return rope
+
+
+def _interleaved_to_half_split(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation: GGUF row i holds HF row
+    ``forward[i]``, so HF row j is GGUF row ``argsort(forward)[j]``."""
+    forward = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(forward)
+
+
+def iter_gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if spec.architecture == "llama" else {}
+    for info in gguf.tensors.values():
+        if info.name == ROPE_FREQS:
+            continue
+        name = hf_name(info.name)
+        if name is None:
+            raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a {spec.architecture} model")
+        weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
+        match = _LAYER_TENSOR.fullmatch(info.name)
+        heads = permuted_heads.get(match[2]) if match else None
+        if heads is not None:
+            rows = weight.shape[0]
+            if rows % (2 * heads):
+                raise LocalserveError(f"{gguf.path}: {info.name} has {rows} rows, not a multiple of 2 x {heads} heads")
+            order = _interleaved_to_half_split(rows, heads)
+            weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight.index_select(0, order)
+        yield name, weight

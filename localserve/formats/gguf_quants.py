@@ -1,0 +1,338 @@
+"""GGUF tensor data -> dense tensors or lossless ``QuantWeight`` re-packs.
+
+Every supported GGUF block type is a group quantization in disguise: each block holds
+fixed-width integer codes plus per-sub-block scales (and offsets). This module unpacks
+the codes into ``QuantWeight``'s layout and precomputes the per-group fp32 scales and
+offsets with exactly the fp32 operations of ggml's reference dequantization (as mirrored
+by gguf-py's ``gguf.quants``), so ``dequantize(gguf_to_weight(...))`` is bit-identical to
+the reference. Which reference expression each type reproduces:
+
+- Q4_0: ``d * (q - 8)``, q 4-bit -> zeros 8, fp16 scales d (group 32)
+- Q4_1: ``d * q + m``, q 4-bit -> mins ``-m``, fp16 scales d (group 32)
+- Q5_0: ``d * (q - 16)``, q 5-bit -> zeros 16, fp16 scales d (group 32)
+- Q5_1: ``d * q + m``, q 5-bit -> mins ``-m``, fp16 scales d (group 32)
+- Q8_0: ``d * q``, q int8 -> codes ``q + 128``, zeros 128, fp16 scales d (group 32)
+- Q2_K: ``(d*sc) * q - (dmin*m)``, q 2-bit -> mins form, fp32 scales/mins (group 16)
+- Q3_K: ``(d*(sc-32)) * q``, q in -4..3 -> codes ``q + 4``, zeros 4, fp32 scales (group 16)
+- Q4_K: ``(d*sc) * q - (dmin*m)``, q 4-bit -> mins form, fp32 scales/mins (group 32)
+- Q5_K: ``(d*sc) * q - (dmin*m)``, q 5-bit -> mins form, fp32 scales/mins (group 32)
+- Q6_K: ``(d*sc) * (q - 32)``, q 6-bit -> zeros 32, fp32 scales (group 16)
+
+``code - zero`` is an exact small integer and negating ``m`` is exact, so QuantWeight's
+``scales * (code - zero)`` and ``scales * code - mins`` round exactly like the
+reference's single multiply (and multiply-then-add). The K-quant products ``d * sc``
+must stay fp32: a fp16 ``d`` times a 6-bit scale does not fit fp16's mantissa.
+
+Decoding is vectorised over whole blocks and runs over bounded chunks of rows, so a
+multi-GiB tensor never needs more than a few tens of MiB of temporaries.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import LocalserveError
+from ..kernels.quant_linear import QuantWeight, pack_codes
+from .gguf_file import GGML_TYPES
+
+# ggml type ids (stable across llama.cpp versions; names and sizes live in GGML_TYPES).
+F32, F16, BF16 = 0, 1, 30
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+
+_DENSE: dict[int, tuple[torch.dtype, int]] = {
+    F32: (torch.float32, 4),
+    F16: (torch.float16, 2),
+    BF16: (torch.bfloat16, 2),
+}
+
+# Blocks decoded per step: bounds the unpacked temporaries (a few bytes per element)
+# while keeping each step large enough that per-call overhead is negligible.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    """One chunk of blocks in QuantWeight terms, before packing: ``codes`` uint8
+    ``[n_blocks, block_elements]`` (unpacked), ``scales`` ``[n_blocks, groups_per_block]``
+    and, for the mins form, fp32 ``mins`` of the same shape."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockType:
+    block_elements: int
+    block_bytes: int
+    bits: int
+    group_size: int
+    zero: int | None  # constant zero point; None means the mins form
+    scale_dtype: torch.dtype
+    decode: Callable[[torch.Tensor], _Decoded]
+
+
+# ---------------------------------------------------------------------------
+# Field helpers. ``blocks`` is always uint8 [n_blocks, block_bytes].
+
+
+def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian fp16 at ``offset`` of every block, as fp16 ``[n_blocks, 1]``."""
+    return blocks[:, offset:offset + 2].contiguous().view(torch.float16)
+
+
+def _split_bits(x: torch.Tensor, width: int, count: int, dim: int) -> torch.Tensor:
+    """Fields ``(x >> (width * i)) & mask`` for ``i < count``, stacked on a new axis ``dim``.
+
+    ggml lays sub-fields out so that one byte's fields belong to elements a fixed stride
+    apart; choosing where the new axis goes reproduces that element order on reshape.
+    """
+    shape = [1] * (x.dim() + 1)
+    shape[dim] = count
+    shifts = torch.arange(0, width * count, width, dtype=torch.uint8).view(shape)
+    return (x.unsqueeze(dim) >> shifts) & ((1 << width) - 1)
+
+
+def _nibbles_halves(qs: torch.Tensor) -> torch.Tensor:
+    """Legacy 32-element blocks: the 16 low nibbles are elements 0..15, the high ones 16..31."""
+    return _split_bits(qs, 4, 2, 1).reshape(qs.shape[0], -1)
+
+
+def _high_bits_32(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 32-bit little-endian mask: bit i (byte i // 8, bit i % 8) is element i's 5th bit."""
+    return _split_bits(qh, 1, 8, 2).reshape(qh.shape[0], -1)
+
+
+def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of eight 6-bit scales and eight 6-bit mins.
+
+    Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the
+    same for the mins; bytes 8-11 the low nibbles of scales 4-7 (low) and mins 4-7 (high).
+    """
+    sc_lo, m_lo, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat((sc_lo & 0x3F, (mixed & 0x0F) | ((sc_lo >> 2) & 0x30)), dim=1)
+    mins = torch.cat((m_lo & 0x3F, (mixed >> 4) | ((m_lo >> 2) & 0x30)), dim=1)
+    return scales, mins
+
+
+def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K's 128 nibble bytes: 32-byte chunk c holds elements 64c..64c+31 in its low
+    nibbles and 64c+32..64c+63 in its high nibbles."""
+    return _split_bits(qs.reshape(-1, 4, 32), 4, 2, 2).reshape(qs.shape[0], -1)
+
+
+def _times(d: torch.Tensor, small_ints: torch.Tensor) -> torch.Tensor:
+    """fp32 ``d * float(small_ints)``: the reference widens both to fp32, then multiplies once."""
+    return d.float() * small_ints.float()
+
+
+# ---------------------------------------------------------------------------
+# Decoders, one per type. Byte layouts follow ggml's block structs (see gguf-py's
+# ``gguf/quants.py``); each comment gives the struct field order.
+
+
+def _decode_q4_0(blocks: torch.Tensor) -> _Decoded:
+    # d fp16 | 16 bytes of nibbles
+    return _Decoded(codes=_nibbles_halves(blocks[:, 2:18]), scales=_fp16(blocks, 0))
+
+
+def _decode_q4_1(blocks: torch.Tensor) -> _Decoded:
+    # d fp16 | m fp16 | 16 bytes of nibbles; w = d*q + m == d*q - (-m) exactly
+    return _Decoded(codes=_nibbles_halves(blocks[:, 4:20]), scales=_fp16(blocks, 0), mins=-_fp16(blocks, 2).float())
+
+
+def _decode_q5_0(blocks: torch.Tensor) -> _Decoded:
+    # d fp16 | qh u32 (5th bits) | 16 bytes of nibbles
+    codes = _nibbles_halves(blocks[:, 6:22]) | (_high_bits_32(blocks[:, 2:6]) << 4)
+    return _Decoded(codes=codes, scales=_fp16(blocks, 0))
+
+
+def _decode_q5_1(blocks: torch.Tensor) -> _Decoded:
+    # d fp16 | m fp16 | qh u32 | 16 bytes of nibbles
+    codes = _nibbles_halves(blocks[:, 8:24]) | (_high_bits_32(blocks[:, 4:8]) << 4)
+    return _Decoded(codes=codes, scales=_fp16(blocks, 0), mins=-_fp16(blocks, 2).float())
+
+
+def _decode_q8_0(blocks: torch.Tensor) -> _Decoded:
+    # d fp16 | 32 int8. Flipping the sign bit maps int8 q to the unsigned code q + 128.
+    return _Decoded(codes=blocks[:, 2:34] ^ 0x80, scales=_fp16(blocks, 0))
+
+
+def _decode_q2_k(blocks: torch.Tensor) -> _Decoded:
+    # 16 scale bytes (low nibble scale, high nibble min) | 64 bytes of 2-bit codes | d | dmin.
+    # Code byte j of 32-byte half h holds elements 128h + 32s + j at bits 2s..2s+1.
+    sc = blocks[:, 0:16]
+    codes = _split_bits(blocks[:, 16:80].reshape(-1, 2, 32), 2, 4, 2).reshape(blocks.shape[0], -1)
+    return _Decoded(codes=codes, scales=_times(_fp16(blocks, 80), sc & 0x0F),
+                    mins=_times(_fp16(blocks, 82), sc >> 4))
+
+
+def _decode_q3_k(blocks: torch.Tensor) -> _Decoded:
+    # hmask 32 bytes | 64 bytes of 2-bit low codes | 12 bytes of 6-bit scales | d.
+    n = blocks.shape[0]
+    # Low 2 bits: laid out like Q2_K's codes.
+    low = _split_bits(blocks[:, 32:96].reshape(-1, 2, 32), 2, 4, 2).reshape(n, -1)
+    # Bit k of hmask byte j belongs to element 32k + j. ggml's q is low - 4 when the bit
+    # is clear and low when it is set, so code = low + 4*bit = q + 4 spans 0..7, zero 4.
+    high = _split_bits(blocks[:, 0:32], 1, 8, 1).reshape(n, -1)
+    codes = low | (high << 2)
+    # Scales: bytes 0-7 give the low nibbles of scales 0-7 (low nibble) and 8-15 (high
+    # nibble); bytes 8-11 give their top 2 bits, scale 4s + j at bits 2s of byte 8 + j.
+    packed = blocks[:, 96:108]
+    low_sc = _split_bits(packed[:, 0:8], 4, 2, 1).reshape(n, 16)
+    high_sc = _split_bits(packed[:, 8:12], 2, 4, 1).reshape(n, 16)
+    signed = (low_sc | (high_sc << 4)).to(torch.int8) - 32  # 6-bit offset-32 scale
+    return _Decoded(codes=codes, scales=_times(_fp16(blocks, 108), signed))
+
+
+def _decode_q4_k(blocks: torch.Tensor) -> _Decoded:
+    # d | dmin | 12 bytes of scales/mins | 128 bytes of nibbles
+    sc, m = _k_scale_min(blocks[:, 4:16])
+    return _Decoded(codes=_k_low_nibbles(blocks[:, 16:144]), scales=_times(_fp16(blocks, 0), sc),
+                    mins=_times(_fp16(blocks, 2), m))
+
+
+def _decode_q5_k(blocks: torch.Tensor) -> _Decoded:
+    # d | dmin | 12 bytes of scales/mins | qh 32 bytes | 128 bytes of nibbles.
+    # Bit k of qh byte j is the 5th bit of element 32k + j.
+    sc, m = _k_scale_min(blocks[:, 4:16])
+    high = _split_bits(blocks[:, 16:48], 1, 8, 1).reshape(blocks.shape[0], -1)
+    codes = _k_low_nibbles(blocks[:, 48:176]) | (high << 4)
+    return _Decoded(codes=codes, scales=_times(_fp16(blocks, 0), sc), mins=_times(_fp16(blocks, 2), m))
+
+
+def _decode_q6_k(blocks: torch.Tensor) -> _Decoded:
+    # ql 128 bytes | qh 64 bytes | 16 int8 scales | d.
+    n = blocks.shape[0]
+    # ql: 64-byte half h holds elements 128h + j (low nibble) and 128h + 64 + j (high).
+    low = _split_bits(blocks[:, 0:128].reshape(-1, 2, 64), 4, 2, 2).reshape(n, -1)
+    # qh: 32-byte half h holds the top 2 bits of elements 128h + 32s + j at bits 2s.
+    high = _split_bits(blocks[:, 128:192].reshape(-1, 2, 32), 2, 4, 2).reshape(n, -1)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)
+    return _Decoded(codes=low | (high << 4), scales=_times(_fp16(blocks, 208), scales))
+
+
+_BLOCK_TYPES: dict[int, _BlockType] = {
+    Q4_0: _BlockType(32, 18, 4, 32, 8, torch.float16, _decode_q4_0),
+    Q4_1: _BlockType(32, 20, 4, 32, None, torch.float16, _decode_q4_1),
+    Q5_0: _BlockType(32, 22, 5, 32, 16, torch.float16, _decode_q5_0),
+    Q5_1: _BlockType(32, 24, 5, 32, None, torch.float16, _decode_q5_1),
+    Q8_0: _BlockType(32, 34, 8, 32, 128, torch.float16, _decode_q8_0),
+    Q2_K: _BlockType(256, 84, 2, 16, None, torch.float32, _decode_q2_k),
+    Q3_K: _BlockType(256, 110, 3, 16, 4, torch.float32, _decode_q3_k),
+    Q4_K: _BlockType(256, 144, 4, 32, None, torch.float32, _decode_q4_k),
+    Q5_K: _BlockType(256, 176, 5, 32, None, torch.float32, _decode_q5_k),
+    Q6_K: _BlockType(256, 210, 6, 16, 32, torch.float32, _decode_q6_k),
+}
+
+
+def _type_name(ggml_type: int) -> str:
+    known = GGML_TYPES.get(ggml_type)
+    return known[0] if known is not None else f"unknown type id {ggml_type}"
+
+
+def _byte_view(name: str, raw: np.ndarray) -> np.ndarray:
+    if not isinstance(raw, np.ndarray):
+        raise LocalserveError(f"tensor {name!r}: data must be a numpy byte array, got {type(raw).__name__}")
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        # A reader hands over flat bytes; accept any contiguous buffer by reinterpreting it.
+        raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    return raw
+
+
+def _check_size(name: str, raw: np.ndarray, expected: int, what: str) -> None:
+    if raw.size != expected:
+        raise LocalserveError(
+            f"tensor {name!r}: {what} needs exactly {expected} bytes of data but has {raw.size}; "
+            "the file is truncated or its tensor table is corrupt"
+        )
+
+
+def _rows_and_width(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, row_elements)``: a 1-D tensor is one row; leading dimensions of a >2-D
+    tensor (stacked MoE experts) fold into rows, since blocks run along the last one."""
+    try:
+        dims = [operator.index(d) for d in shape]  # numpy ints are fine, floats are not
+    except TypeError:
+        dims = []
+    if len(dims) == 0 or len(dims) != len(shape) or any(d < 0 for d in dims):
+        raise LocalserveError(f"tensor {name!r}: invalid shape {shape}")
+    shape = tuple(dims)
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows, shape[-1]
+
+
+def _dense(name: str, raw: np.ndarray, dtype: torch.dtype, item_bytes: int, shape: tuple[int, ...]) -> torch.Tensor:
+    rows, width = _rows_and_width(name, shape)
+    _check_size(name, raw, rows * width * item_bytes, f"{str(dtype).removeprefix('torch.')} shape {shape}")
+    # Copy: ``raw`` is a read-only view of a memory-mapped file that may be closed later.
+    data = torch.from_numpy(np.array(raw))
+    return data.view(dtype).reshape(shape)
+
+
+def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantWeight:
+    bt = _BLOCK_TYPES[ggml_type]
+    type_name = _type_name(ggml_type)
+    rows, width = _rows_and_width(name, shape)
+    if width % bt.block_elements:
+        raise LocalserveError(
+            f"tensor {name!r}: {type_name} rows must be a multiple of {bt.block_elements} elements, "
+            f"but shape {shape} has rows of {width}"
+        )
+    blocks_per_row = width // bt.block_elements
+    row_bytes = blocks_per_row * bt.block_bytes
+    _check_size(name, raw, rows * row_bytes, f"{type_name} shape {shape}")
+
+    groups = width // bt.group_size
+    codes = torch.empty((rows, width // 2 if bt.bits <= 4 else width), dtype=torch.uint8)
+    scales = torch.empty((rows, groups), dtype=bt.scale_dtype)
+    mins = torch.empty((rows, groups), dtype=torch.float32) if bt.zero is None else None
+
+    # Loop over chunks of whole rows (not over blocks): each step decodes every block of
+    # its rows with vectorised tensor ops.
+    step = max(1, _CHUNK_ELEMENTS // max(1, width))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        n_rows = stop - start
+        # Copy just this chunk out of the (read-only, memory-mapped) source.
+        chunk = torch.from_numpy(np.array(raw[start * row_bytes:stop * row_bytes]))
+        decoded = bt.decode(chunk.view(n_rows * blocks_per_row, bt.block_bytes))
+        codes[start:stop] = pack_codes(decoded.codes.reshape(n_rows, width), bt.bits)
+        scales[start:stop] = decoded.scales.reshape(n_rows, groups)
+        if mins is not None:
+            assert decoded.mins is not None
+            mins[start:stop] = decoded.mins.reshape(n_rows, groups)
+
+    zeros = torch.full((rows, groups), bt.zero, dtype=torch.uint8) if bt.zero is not None else None
+    return QuantWeight(bits=bt.bits, group_size=bt.group_size, codes=codes, scales=scales, zeros=zeros, mins=mins)
+
+
+def gguf_to_weight(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | QuantWeight:
+    """One GGUF tensor as a dense tensor (F32/F16/BF16, in ``shape``) or a ``QuantWeight``.
+
+    ``raw`` is the tensor's bytes (a read-only memmap view is fine: what is kept is
+    copied); ``shape`` is in torch order, ``(rows, row_elements)`` for a matrix or
+    ``(n,)`` for a vector, which becomes a one-row QuantWeight when quantized. The
+    QuantWeight dequantizes bit-exactly to ggml's reference. Other types (IQ*, Q8_1,
+    Q8_K, TQ*, MXFP4, integer types, unknown ids) raise ``LocalserveError``.
+    """
+    raw = _byte_view(name, raw)
+    shape = tuple(shape)
+    dense = _DENSE.get(ggml_type)
+    if dense is not None:
+        return _dense(name, raw, dense[0], dense[1], shape)
+    if ggml_type in _BLOCK_TYPES:
+        return _quantized(name, raw, ggml_type, shape)
+    supported = ", ".join(_type_name(t) for t in (*_DENSE, *_BLOCK_TYPES))
+    raise LocalserveError(
+        f"tensor {name!r} has GGUF type {_type_name(ggml_type)}, which localserve cannot load "
+        f"(supported: {supported}); re-quantize the model to one of those types"
+    )
