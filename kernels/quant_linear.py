@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from .dispatch import use_triton
+
 
 @dataclass(slots=True)
 class QuantWeight:
@@ -116,6 +118,17 @@ def dequantize_in_input_order(weight: QuantWeight, dtype: torch.dtype = torch.fl
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a QuantWeight: the Triton dequantize-GEMM on CUDA when
+    it supports the layout, else the torch reference."""
+    if use_triton(x):
+        from . import quant_linear_triton
+
+        if quant_linear_triton.supports(weight):
+            return quant_linear_triton.quant_linear(x, weight, bias)
+    return quant_linear_ref(x, weight, bias)
+
+
+def quant_linear_ref(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a QuantWeight; the reference dequantizes then multiplies."""
     if weight.perm is not None:
         x = x.index_select(-1, weight.perm)
