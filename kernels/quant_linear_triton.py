@@ -187,7 +187,7 @@ def _quant_linear(
 
     lead = x.shape[:-1]
     if weight.perm is not None:
-        pass
+        x = x.index_select(-1, weight.perm)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

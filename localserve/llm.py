@@ -59,5 +59,26 @@ class LLM:
                     done[output.request_id] = output
         return [done[i] for i in ids]
 
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI-style messages) or
+        several, rendered with the model's own chat template."""
+        template = self.engine.chat_template
+        if template is None:
+            raise LocalserveError("this model ships no chat template; use generate() with a prompt")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self._render(template, messages, tools) for messages in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def _render(self, template, messages: list[dict], tools: list[dict] | None) -> list[int]:  # type: ignore[no-untyped-def]
+        text = template.render(messages, add_generation_prompt=True, tools=tools)
+        # The template writes BOS itself where the model wants it.
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
     def stats(self) -> dict[str, int]:
         return self.engine.stats()

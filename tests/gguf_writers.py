@@ -63,8 +63,9 @@ def tiny_llama(hidden: int = 256, ffn: int = 512, layers: int = 2, seed: int = 3
     return model.eval()
 
 
-def write_gguf(path: Path, model, qtype) -> None:
-    """Every 2-D tensor in ``qtype`` (gguf-py quantizes it), norms in F32."""
+def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
+    """Every 2-D tensor in ``qtype`` (gguf-py quantizes it), norms in F32; tensors
+    named in ``exclude`` (GGUF names) are left out."""
     import gguf
 
     config = model.config
@@ -86,6 +87,8 @@ def write_gguf(path: Path, model, qtype) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     for name, tensor in model.state_dict().items():
+        if gguf_name(name) in exclude:
+            continue
         array = tensor.float().numpy()
         if name.endswith("q_proj.weight"):
             array = permute_rows(array, config.num_attention_heads)

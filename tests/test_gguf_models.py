@@ -136,3 +136,47 @@ def test_k_quants_from_llama_cpp_quantizer(tmp_path, model, ftype: str) -> None:
     # measured 3.0-4.0e-2 here against its own file, even for Q6_K's near-lossless weights,
     # while our logits equal gguf-py's dequantization to ~1e-6 (F32 files: 6.6e-4).
     assert versus_llama_cpp <= 5e-2
+
+
+def test_bad_gguf_models_fail_cleanly(tmp_path, model) -> None:
+    from localserve import LocalserveError
+
+    missing = tmp_path / "missing.gguf"
+    write_gguf(missing, model, Q.F16, exclude=("blk.1.ffn_down.weight",))
+    with pytest.raises(LocalserveError, match="missing 1 tensors"):
+        LLM(missing, device="cpu", num_kv_blocks=8)
+
+    def minimal(path, arch: str, tensor_type, extra: dict | None = None) -> None:
+        writer = gguf.GGUFWriter(str(path), arch)
+        writer.add_embedding_length(256)
+        writer.add_head_count(4)
+        writer.add_block_count(1)
+        writer.add_feed_forward_length(512)
+        for key, value in (extra or {}).items():
+            writer.add_uint32(key, value)
+        rows = 512
+        nbytes = rows * 256 // gguf.GGML_QUANT_SIZES[tensor_type][0] * gguf.GGML_QUANT_SIZES[tensor_type][1]
+        writer.add_tensor("token_embd.weight", np.zeros((rows, nbytes // rows), dtype=np.uint8), raw_dtype=tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    import numpy as np
+
+    unsupported_type = tmp_path / "iq.gguf"
+    minimal(unsupported_type, "llama", Q.IQ2_XXS)
+    with pytest.raises(LocalserveError, match="IQ2_XXS.*token_embd|token_embd.*IQ2_XXS"):
+        LLM(unsupported_type, device="cpu", num_kv_blocks=8)
+    other_arch = tmp_path / "gpt2.gguf"
+    minimal(other_arch, "gpt2", Q.F16)
+    with pytest.raises(LocalserveError, match="architecture 'gpt2' is not supported"):
+        LLM(other_arch, device="cpu", num_kv_blocks=8)
+    moe = tmp_path / "moe.gguf"
+    minimal(moe, "llama", Q.F16, {"llama.expert_count": 8})
+    with pytest.raises(LocalserveError, match="mixture-of-experts"):
+        LLM(moe, device="cpu", num_kv_blocks=8)
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf at all")
+    with pytest.raises(LocalserveError, match="GGUF"):
+        LLM(not_gguf, device="cpu", num_kv_blocks=8)

@@ -47,3 +47,23 @@ def test_logprobs_equal_transformers(stories: LLM) -> None:
         top = row.topk(3)
         assert [t for t, _ in entry.top] == top.indices.tolist()
         assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_chat_uses_the_checkpoint_template(tmp_path) -> None:
+    import json
+    import shutil
+
+    folder = tmp_path / "stories-chat"
+    shutil.copytree(STORIES_HF, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = LLM(folder, device="cpu", num_kv_blocks=64)
+    [out] = llm.chat([{"role": "user", "content": "Once upon a time"}], SamplingParams(temperature=0, max_tokens=8))
+    expected_prompt = llm.tokenizer.encode("<s>user: Once upon a time\nassistant:", add_special_tokens=False)
+    assert out.prompt_token_ids == expected_prompt and expected_prompt[0] == 1
+    [plain] = llm.generate(expected_prompt, SamplingParams(temperature=0, max_tokens=8))
+    assert out.token_ids == plain.token_ids
