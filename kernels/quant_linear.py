@@ -88,23 +88,31 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-def unpack_codes(weight: QuantWeight) -> torch.Tensor:
+def unpack_codes(weight: QuantWeight, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """Codes ``[N, K]`` in ``dtype``, written straight into one tensor."""
     if not weight.packed:
-        return weight.codes
-    low, high = weight.codes & 0xF, weight.codes >> 4
-    return torch.stack((low, high), dim=-1).flatten(-2)
+        return weight.codes.to(dtype)
+    n, half = weight.codes.shape
+    out = torch.empty(n, half, 2, dtype=dtype, device=weight.codes.device)
+    out[..., 0].copy_(weight.codes & 0xF)
+    out[..., 1].copy_(weight.codes >> 4)
+    return out.view(n, 2 * half)
 
 
 def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense weight ``[N, K]`` (columns in stored order; see ``perm``)."""
+    """The dense weight ``[N, K]`` (columns in stored order; see ``perm``).
+
+    One fp32 buffer, updated in place: the same fp32 operations as the formats' own
+    dequantizers (``(q - zero) * scale`` or ``scale * q - min``), so results are exact.
+    """
     n, k = weight.shape
-    q = unpack_codes(weight).float().view(n, -1, weight.group_size)
-    scales = weight.scales.float().unsqueeze(-1)
+    q = unpack_codes(weight, torch.float32).view(n, -1, weight.group_size)
+    scales = weight.scales.unsqueeze(-1)
     if weight.zeros is not None:
-        w = scales * (q - weight.zeros.float().unsqueeze(-1))
+        q.sub_(weight.zeros.unsqueeze(-1)).mul_(scales)
     else:
-        w = scales * q - weight.mins.float().unsqueeze(-1)
-    return w.view(n, k).to(dtype)
+        q.mul_(scales).sub_(weight.mins.unsqueeze(-1))
+    return q.view(n, k).to(dtype)
 
 
 def dequantize_in_input_order(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
