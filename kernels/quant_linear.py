@@ -127,12 +127,18 @@ def dequantize_in_input_order(weight: QuantWeight, dtype: torch.dtype = torch.fl
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a QuantWeight: the Triton dequantize-GEMM on CUDA when
-    it supports the layout, else the torch reference."""
+    it supports the layout, the fused C++ kernel on CPU for a few rows (decode), else
+    the torch reference."""
     if use_triton(x):
         from . import quant_linear_triton
 
         if quant_linear_triton.supports(weight):
             return quant_linear_triton.quant_linear(x, weight, bias)
+    elif x.device.type == "cpu":
+        from . import quant_linear_cpu
+
+        if quant_linear_cpu.supports(x, weight):
+            return quant_linear_cpu.quant_linear(x, weight, bias)
     return quant_linear_ref(x, weight, bias)
 
 

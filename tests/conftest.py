@@ -129,3 +129,14 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 def random_prompt(length: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
+
+
+def triton_or_skip():  # type: ignore[no-untyped-def]
+    """(triton, device, interpreted) for a kernel test module: compiled kernels on CUDA,
+    the interpreter on CPU; skips the module when neither can run."""
+    triton = pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    interpreted = not isinstance(triton.language.zeros, triton.runtime.JITFunction)
+    if device.type == "cpu" and not interpreted:
+        pytest.skip("no GPU and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+    return triton, device, interpreted

@@ -8,17 +8,15 @@ CPU tensors in the Triton interpreter, so sizes are kept small. The dispatcher i
 import pytest
 import torch
 
+from .conftest import triton_or_skip
+
 # conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything
 # imports triton (the interpreter must be chosen before the first import).
-triton = pytest.importorskip("triton")
+triton, DEVICE, INTERPRETED = triton_or_skip()
 
 from localserve.kernels import attention_ref, attention_triton  # noqa: E402
 from localserve.kernels.attention import AttentionMetadata  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = not isinstance(triton.language.zeros, triton.runtime.JITFunction)
-if DEVICE.type == "cpu" and not INTERPRETED:
-    pytest.skip("no GPU and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
 
 
 TOLERANCE = {

@@ -10,18 +10,16 @@ every layout the loaders produce.
 import pytest
 import torch
 
+from .conftest import triton_or_skip
+
 # conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything
 # imports triton (the interpreter must be chosen before the first import).
-triton = pytest.importorskip("triton")
+triton, DEVICE, INTERPRETED = triton_or_skip()
 
 from localserve.kernels import quant_linear as ql  # noqa: E402
 from localserve.kernels import quant_linear_triton  # noqa: E402
 from localserve.kernels.quant_linear import QuantWeight, pack_codes, quant_linear_ref  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = not isinstance(triton.language.zeros, triton.runtime.JITFunction)
-if DEVICE.type == "cpu" and not INTERPRETED:
-    pytest.skip("no GPU and triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
 
 # Relative to the largest output: the kernel sums K in a different order than torch.
 TOLERANCE = {

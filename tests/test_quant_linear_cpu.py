@@ -1,0 +1,66 @@
+"""The C++ fused dequantize-GEMV (CPU decode path) against the torch reference."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import pytest
+import torch
+
+from localserve.kernels import quant_linear_cpu
+from localserve.kernels.quant_linear import QuantWeight, pack_codes, quant_linear, quant_linear_ref
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+def make_weight(bits: int, group_size: int, form: str, scale_dtype: torch.dtype, zero_dtype: torch.dtype,
+                permuted: bool, n: int = 24, k: int = 128) -> QuantWeight:
+    generator = torch.Generator().manual_seed(bits * 100 + group_size)
+    groups = k // group_size
+    codes = torch.randint(0, 1 << bits, (n, k), generator=generator)
+    scales = (torch.rand(n, groups, generator=generator) * 0.1).to(scale_dtype)
+    offsets = (
+        {"zeros": torch.randint(0, 300 if zero_dtype == torch.int16 else 1 << bits, (n, groups), generator=generator).to(zero_dtype)}
+        if form == "zeros"
+        else {"mins": torch.randn(n, groups, generator=generator)}
+    )
+    perm = torch.randperm(k, generator=generator) if permuted else None
+    return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, perm=perm, **offsets)
+
+
+CASES = [
+    case
+    for case in itertools.product([2, 4, 5, 8], [16, 32, 128], ["zeros", "mins"], [torch.float16, torch.float32],
+                                  [torch.uint8, torch.int16], [False, True])
+    if not (case[2] == "mins" and case[4] == torch.int16)  # the zero dtype does not apply to mins
+]
+
+
+def test_builds() -> None:
+    assert quant_linear_cpu.available(), "the C++ extension did not build; see the warning in the log"
+
+
+@pytest.mark.parametrize("bits,group_size,form,scale_dtype,zero_dtype,permuted", CASES)
+def test_fused_equals_reference(bits, group_size, form, scale_dtype, zero_dtype, permuted) -> None:
+    weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted)
+    bias = torch.randn(weight.out_features)
+    for rows in (1, 3, quant_linear_cpu.MAX_ROWS):
+        x = torch.randn(rows, weight.in_features)
+        assert quant_linear_cpu.supports(x, weight)
+        expected = quant_linear_ref(x, weight, bias)
+        ours = quant_linear_cpu.quant_linear(x, weight, bias)
+        # Same dequantized values; only the order of the sums differs from the GEMM's.
+        assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+def test_dispatch_uses_fused_kernel_only_for_few_rows(monkeypatch) -> None:
+    weight = make_weight(4, 32, "zeros", torch.float16, torch.uint8, permuted=False)
+    calls = []
+    original = quant_linear_cpu.quant_linear
+    monkeypatch.setattr(quant_linear_cpu, "quant_linear", lambda *a: calls.append(a) or original(*a))
+    quant_linear(torch.randn(2, weight.in_features), weight)
+    quant_linear(torch.randn(quant_linear_cpu.MAX_ROWS + 1, weight.in_features), weight)
+    assert len(calls) == 1
+    x = torch.randn(2, 5, weight.in_features)  # leading dimensions are kept
+    assert quant_linear(x, weight).shape == (2, 5, weight.out_features)
