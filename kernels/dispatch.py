@@ -26,3 +26,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if os.environ.get("LOCALSERVE_DISABLE_TRITON") == "1":
         return False
     return tensor.is_cuda and triton_available()
+
+
+def use_cpu_kernels(tensor: torch.Tensor) -> bool:
+    """The compiled CPU kernels on CPU tensors; LOCALSERVE_DISABLE_CPU_KERNELS=1 keeps the
+    torch reference (for comparison)."""
+    return tensor.device.type == "cpu" and os.environ.get("LOCALSERVE_DISABLE_CPU_KERNELS") != "1"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import use_cpu_kernels, use_triton
 
 
 @dataclass(slots=True)
@@ -134,10 +134,10 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
 
         if quant_linear_triton.supports(weight):
             return quant_linear_triton.quant_linear(x, weight, bias)
-    elif x.device.type == "cpu":
+    elif use_cpu_kernels(x):
         from . import quant_linear_cpu
 
-        if quant_linear_cpu.supports(x, weight):
+        if quant_linear_cpu.supports(x):
             return quant_linear_cpu.quant_linear(x, weight, bias)
     return quant_linear_ref(x, weight, bias)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -43,13 +42,13 @@ def _extension():  # type: ignore[no-untyped-def]
 
 
 def available() -> bool:
-    """LOCALSERVE_DISABLE_CPU_KERNELS=1 keeps the torch reference (for comparison)."""
-    return os.environ.get("LOCALSERVE_DISABLE_CPU_KERNELS") != "1" and _extension() is not None
+    return _extension() is not None
 
 
-def supports(x: torch.Tensor, weight: QuantWeight) -> bool:
+def supports(x: torch.Tensor) -> bool:
+    """Every QuantWeight layout is handled; what decides is x: fp32 and decode-sized."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= MAX_ROWS and available()
+    return x.dtype == torch.float32 and 0 < rows <= MAX_ROWS and available()
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ def main() -> None:
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device.")
 def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, device: str | None, dtype: str | None) -> None:
-    """Generate from MODEL (an HF checkpoint folder) for PROMPT, streaming the text."""
+    """Generate from MODEL (a .gguf file or an HF checkpoint folder) for PROMPT, streaming the text."""
     from .engine.config import EngineConfig
     from .engine.engine import Engine
     from .engine.sampling_params import SamplingParams

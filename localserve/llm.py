@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .chat_template import ChatTemplate
 from .engine.config import EngineConfig
 from .engine.engine import Engine, RequestOutput
 from .engine.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class LLM:
         except TypeError as exc:
             raise LocalserveError(f"unknown engine option: {exc}") from exc
         self.engine = Engine(model, config, device=device, dtype=dtype)
+        self._chat_template: ChatTemplate | None = None  # loaded by the first chat()
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
@@ -67,15 +69,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI-style messages) or
         several, rendered with the model's own chat template."""
-        template = self.engine.chat_template
-        if template is None:
-            raise LocalserveError("this model ships no chat template; use generate() with a prompt")
+        if self._chat_template is None:
+            self._chat_template = self.engine.checkpoint.chat_template()
+        template = self._chat_template
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         prompts = [self._render(template, messages, tools) for messages in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params)
 
-    def _render(self, template, messages: list[dict], tools: list[dict] | None) -> list[int]:  # type: ignore[no-untyped-def]
+    def _render(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None) -> list[int]:
         text = template.render(messages, add_generation_prompt=True, tools=tools)
         # The template writes BOS itself where the model wants it.
         return self.engine.tokenizer.encode(text, add_special_tokens=False)

@@ -47,7 +47,7 @@ def test_fused_equals_reference(bits, group_size, form, scale_dtype, zero_dtype,
     bias = torch.randn(weight.out_features)
     for rows in (1, 3, quant_linear_cpu.MAX_ROWS):
         x = torch.randn(rows, weight.in_features)
-        assert quant_linear_cpu.supports(x, weight)
+        assert quant_linear_cpu.supports(x)
         expected = quant_linear_ref(x, weight, bias)
         ours = quant_linear_cpu.quant_linear(x, weight, bias)
         # Same dequantized values; only the order of the sums differs from the GEMM's.

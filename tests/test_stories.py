@@ -67,3 +67,12 @@ def test_chat_uses_the_checkpoint_template(tmp_path) -> None:
     assert out.prompt_token_ids == expected_prompt and expected_prompt[0] == 1
     [plain] = llm.generate(expected_prompt, SamplingParams(temperature=0, max_tokens=8))
     assert out.token_ids == plain.token_ids
+
+
+def test_chat_without_a_template_says_so(stories: LLM) -> None:
+    from localserve import LocalserveError
+
+    with pytest.raises(LocalserveError, match="no chat template"):
+        stories.chat([{"role": "user", "content": "Hi"}])
+    # Generation is unaffected.
+    assert stories.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=3))[0].token_ids

@@ -72,8 +72,8 @@ class Engine:
         checkpoint = open_checkpoint(model)
         self.spec = spec = checkpoint.spec
         self.dtype = pick_dtype(dtype, spec.torch_dtype, self.device)
+        self.checkpoint = checkpoint
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer()
-        self.chat_template = checkpoint.chat_template()
 
         block_size = self.config.block_size
         num_blocks = self.config.num_kv_blocks or max(

@@ -9,9 +9,14 @@ from pathlib import Path
 
 import torch
 
+from ..chat_template import ChatTemplate
 from ..errors import LocalserveError
+from ..gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..kernels.quant_linear import QuantWeight
+from ..tokenizer import Tokenizer
 from . import hf
+from .gguf import chat_template_from_gguf, iter_gguf_weights, spec_from_gguf
+from .gguf_file import GGUFFile, read_gguf
 from .hf_quant import QuantConfig, convert_quantized, quant_config_from
 from .spec import ModelSpec, RopeSpec
 
@@ -26,52 +31,28 @@ class Checkpoint:
     spec: ModelSpec
     files: list[Path]  # HF safetensors shards (empty for GGUF)
     quant: QuantConfig | None = None  # GPTQ/AWQ layers come out as QuantWeights
-    gguf: object | None = None  # the parsed GGUFFile for .gguf checkpoints
+    gguf: GGUFFile | None = None  # the parsed file, for .gguf checkpoints
 
     def weights(self) -> Iterator[NamedWeight]:
         if self.gguf is not None:
-            from .gguf import iter_gguf_weights
-
-            return iter_gguf_weights(self.gguf, self.spec)  # type: ignore[arg-type]
+            return iter_gguf_weights(self.gguf, self.spec)
         tensors = hf.iter_tensors(self.files)
         return convert_quantized(tensors, self.quant) if self.quant else tensors
 
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer, or None when it ships none."""
-        from ..tokenizer import Tokenizer
-
         if self.gguf is not None:
-            from ..gguf_tokenizer import tokenizer_from_gguf_metadata
-
-            if "tokenizer.ggml.model" not in self.gguf.metadata:  # type: ignore[attr-defined]
+            if "tokenizer.ggml.model" not in self.gguf.metadata:
                 return None
-            return tokenizer_from_gguf_metadata(self.gguf.metadata)  # type: ignore[attr-defined]
+            return tokenizer_from_gguf_metadata(self.gguf.metadata)
         return Tokenizer.from_dir(self.path) if (self.path / "tokenizer.json").is_file() else None
 
-    def chat_template(self):  # type: ignore[no-untyped-def]
-        """The checkpoint's chat template (tokenizer_config.json or GGUF metadata), or None."""
-        from ..chat_template import ChatTemplate
-
+    def chat_template(self) -> ChatTemplate:
+        """The checkpoint's chat template (tokenizer_config.json / chat_template.jinja, or
+        GGUF metadata); a LocalserveError says when there is none or it is broken."""
         if self.gguf is not None:
-            metadata = self.gguf.metadata  # type: ignore[attr-defined]
-            template = metadata.get("tokenizer.chat_template")
-            if not isinstance(template, str):
-                return None
-            tokens = metadata.get("tokenizer.ggml.tokens") or []
-
-            def token(key: str) -> str | None:
-                index = metadata.get(key)
-                return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
-
-            return ChatTemplate(template, bos_token=token("tokenizer.ggml.bos_token_id"),
-                                eos_token=token("tokenizer.ggml.eos_token_id"))
-        config_path = self.path / "tokenizer_config.json"
-        if not config_path.is_file():
-            return None
-        try:
-            return ChatTemplate.from_dir(self.path)
-        except LocalserveError:
-            return None
+            return chat_template_from_gguf(self.gguf)
+        return ChatTemplate.from_dir(self.path)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -80,9 +61,6 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not path.exists():
         raise LocalserveError(f"{path}: no such file or folder")
     if path.is_file():
-        from .gguf import spec_from_gguf
-        from .gguf_file import read_gguf
-
         gguf = read_gguf(path)
         return Checkpoint(path=path, spec=spec_from_gguf(gguf), files=[], gguf=gguf)
     config = hf.read_config(path)

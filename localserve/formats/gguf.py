@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..chat_template import ChatTemplate
 from ..errors import LocalserveError
 from ..kernels.quant_linear import QuantWeight
 from .gguf_file import GGUFFile
@@ -170,3 +171,23 @@ def iter_gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[tuple[str, to
             order = _interleaved_to_half_split(rows, heads)
             weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight.index_select(0, order)
         yield name, weight
+
+
+def chat_template_from_gguf(gguf: GGUFFile) -> ChatTemplate:
+    """``tokenizer.chat_template`` with the BOS/EOS token texts from the vocabulary."""
+    metadata = gguf.metadata
+    template = metadata.get("tokenizer.chat_template")
+    if not isinstance(template, str):
+        raise LocalserveError(
+            f"{gguf.path}: this model has no chat template (no tokenizer.chat_template); "
+            "send plain prompts instead of chat messages"
+        )
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+
+    def token(key: str) -> str | None:
+        index = metadata.get(key)
+        return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+    return ChatTemplate(
+        template, bos_token=token("tokenizer.ggml.bos_token_id"), eos_token=token("tokenizer.ggml.eos_token_id")
+    )
