@@ -60,6 +60,12 @@ def tiny_llama(hidden: int = 256, ffn: int = 512, layers: int = 2, seed: int = 3
                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config)
     reinitialise(model, seed=seed)
+    # The residual stream starts at unit scale, as in trained models, rather than at the
+    # 1/sqrt(hidden) of the other matrices. Otherwise every layer's output dwarfs it and
+    # llama.cpp's 8-bit rounding of activations (inside its quantized dot products, so
+    # unavoidable in the oracle) alone moves the logits by 3-4e-2; at unit scale, ~2e-2.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(hidden**0.5)
     return model.eval()
 
 

@@ -131,11 +131,7 @@ def test_k_quants_from_llama_cpp_quantizer(tmp_path, model, ftype: str) -> None:
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types & {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}, types
     versus_dequantized, versus_llama_cpp = compare_with_oracles(path, model)
-    assert versus_dequantized <= 1e-4
-    # llama.cpp quantizes activations to 8 bits (Q8_K blocks) inside K-quant dot products:
-    # measured 3.0-4.0e-2 here against its own file, even for Q6_K's near-lossless weights,
-    # while our logits equal gguf-py's dequantization to ~1e-6 (F32 files: 6.6e-4).
-    assert versus_llama_cpp <= 5e-2
+    assert versus_dequantized <= 1e-4 and versus_llama_cpp <= 3e-2
 
 
 def test_bad_gguf_models_fail_cleanly(tmp_path, model) -> None:
