@@ -28,19 +28,36 @@ class QuantWeight:
     the low nibble, ``2j + 1`` in the high one), wider codes one per byte.
     With ``perm`` (GPTQ act-order) the columns are stored in group order and the layer
     computes ``x[..., perm] @ W.T``.
+
+    Two-level scales (GGUF K-quants): with ``super_scales`` set, ``scales`` holds small
+    integer sub-scales and a group's scale is the fp32 product
+    ``super_scales[n, g // groups_per_super] * scales[n, g]``; likewise ``super_mins``
+    times integer ``mins``. That is the product ggml computes, kept factored so the
+    weight stays at its file size instead of carrying an fp32 scale per 16 inputs.
     """
 
     bits: int
     group_size: int
     codes: torch.Tensor  # uint8 [N, K // 2] (bits <= 4) or [N, K]
-    scales: torch.Tensor  # [N, K // group_size], fp16 or fp32
+    scales: torch.Tensor  # [N, K // group_size], fp16 or fp32 (int8/uint8 under super_scales)
     zeros: torch.Tensor | None = None  # uint8 (int16 if a zero exceeds 255) [N, groups]
-    mins: torch.Tensor | None = None  # fp32 [N, groups]
+    mins: torch.Tensor | None = None  # fp32 [N, groups] (uint8 under super_mins)
     perm: torch.Tensor | None = None  # int64 [K]
+    super_scales: torch.Tensor | None = None  # fp16 [N, groups // groups_per_super]
+    super_mins: torch.Tensor | None = None  # fp16, as super_scales (mins form only)
+    groups_per_super: int = 1
 
     def __post_init__(self) -> None:
         if (self.zeros is None) == (self.mins is None):
             raise ValueError("a QuantWeight has either zeros or mins")
+        if (self.super_mins is not None) and (self.super_scales is None or self.mins is None):
+            raise ValueError("super_mins needs super_scales and the mins form")
+        if self.super_scales is not None and self.mins is not None and self.super_mins is None:
+            raise ValueError("two-level scales in the mins form need super_mins too")
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        fields = ("codes", "scales", "zeros", "mins", "perm", "super_scales", "super_mins")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
     @property
     def packed(self) -> bool:
@@ -60,24 +77,33 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.codes, self.scales, self.zeros, self.mins, self.perm)
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
 
     def to(self, device: torch.device) -> QuantWeight:
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device)
-
-        return replace(self, codes=move(self.codes), scales=move(self.scales), zeros=move(self.zeros),
-                       mins=move(self.mins), perm=move(self.perm))
+        return replace(self, **{f: t.to(device) for f, t in self._tensors().items()})
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The given output rows (an embedding lookup)."""
+        per_row = {f: t.index_select(0, index) for f, t in self._tensors().items() if f != "perm"}
+        return replace(self, **per_row)
 
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, index)
+    def group_scales(self) -> torch.Tensor:
+        """Each group's scale ``[N, groups]``: the stored scales, or the fp32 products of
+        two-level scales."""
+        return _expand_two_level(self.super_scales, self.scales, self.groups_per_super)
 
-        return replace(self, codes=pick(self.codes), scales=pick(self.scales), zeros=pick(self.zeros),
-                       mins=pick(self.mins))
+    def group_offsets(self) -> torch.Tensor:
+        """Each group's zero point or min ``[N, groups]``, as ``group_scales``."""
+        if self.zeros is not None:
+            return self.zeros
+        assert self.mins is not None
+        return _expand_two_level(self.super_mins, self.mins, self.groups_per_super)
+
+
+def _expand_two_level(outer: torch.Tensor | None, inner: torch.Tensor, groups_per_outer: int) -> torch.Tensor:
+    if outer is None:
+        return inner
+    return outer.float().repeat_interleave(groups_per_outer, dim=1) * inner.float()
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -107,11 +133,12 @@ def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch
     """
     n, k = weight.shape
     q = unpack_codes(weight, torch.float32).view(n, -1, weight.group_size)
-    scales = weight.scales.unsqueeze(-1)
+    scales = weight.group_scales().unsqueeze(-1)
+    offsets = weight.group_offsets().unsqueeze(-1)
     if weight.zeros is not None:
-        q.sub_(weight.zeros.unsqueeze(-1)).mul_(scales)
+        q.sub_(offsets).mul_(scales)
     else:
-        q.mul_(scales).sub_(weight.mins.unsqueeze(-1))
+        q.mul_(scales).sub_(offsets)
     return q.view(n, k).to(dtype)
 
 

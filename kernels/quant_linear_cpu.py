@@ -57,7 +57,8 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     offsets = weight.zeros if weight.zeros is not None else weight.mins
     out = _extension().quant_gemv(flat, weight.codes, weight.scales, offsets, weight.mins is not None,
-                                  weight.packed, weight.group_size)
+                                  weight.packed, weight.group_size, weight.super_scales, weight.super_mins,
+                                  weight.groups_per_super)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.out_features)

@@ -37,6 +37,8 @@ def _quant_linear_kernel(
     codes_ptr,
     scales_ptr,
     zeros_ptr,  # zeros (HAS_ZEROS) or mins; same [N, groups] indexing
+    super_scales_ptr,  # two-level scales (HAS_SUPER): [N, groups // GROUPS_PER_SUPER]
+    super_mins_ptr,  # their mins counterpart (HAS_SUPER and not HAS_ZEROS)
     bias_ptr,
     out_ptr,
     M,
@@ -50,12 +52,18 @@ def _quant_linear_kernel(
     stride_sg,
     stride_zn,
     stride_zg,
+    stride_ssn,
+    stride_ssg,
+    stride_smn,
+    stride_smg,
     stride_b,
     stride_om,
     stride_on,
     PACKED: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_SUPER: tl.constexpr,
+    GROUPS_PER_SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -78,6 +86,8 @@ def _quant_linear_kernel(
     codes_cols = codes_ptr + cols64[None, :] * stride_cn
     scales_cols = scales_ptr + cols64[None, :] * stride_sn
     zeros_cols = zeros_ptr + cols64[None, :] * stride_zn
+    super_scales_cols = super_scales_ptr + cols64[None, :] * stride_ssn
+    super_mins_cols = super_mins_ptr + cols64[None, :] * stride_smn
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # The host guarantees K % BLOCK_K == 0 (K is a multiple of the group size, and
@@ -107,6 +117,12 @@ def _quant_linear_kernel(
             g = ks[:, None] // GROUP_SIZE
         scale = tl.load(scales_cols + g * stride_sg, mask=col_mask[None, :], other=0.0).to(tl.float32)
         offset = tl.load(zeros_cols + g * stride_zg, mask=col_mask[None, :], other=0).to(tl.float32)
+        if HAS_SUPER:
+            # Two-level scales: the same fp32 product the reference forms per group.
+            sg = g // GROUPS_PER_SUPER
+            scale = tl.load(super_scales_cols + sg * stride_ssg, mask=col_mask[None, :], other=0.0).to(tl.float32) * scale
+            if not HAS_ZEROS:
+                offset = tl.load(super_mins_cols + sg * stride_smg, mask=col_mask[None, :], other=0.0).to(tl.float32) * offset
         # Dequantize in fp32 exactly as the reference does, then round once to x's dtype.
         if HAS_ZEROS:
             w = scale * (q - offset)
@@ -195,12 +211,17 @@ def _quant_linear(
         return out.view(*lead, n)
 
     offsets = weight.zeros if weight.zeros is not None else weight.mins
+    # Without two-level scales the super pointers are never read; pass any tensor.
+    super_scales = weight.super_scales if weight.super_scales is not None else weight.scales
+    super_mins = weight.super_mins if weight.super_mins is not None else super_scales
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
         x2,
         weight.codes,
         weight.scales,
         offsets,
+        super_scales,
+        super_mins,
         bias if bias is not None else out,  # never read without HAS_BIAS
         out,
         m,
@@ -210,11 +231,15 @@ def _quant_linear(
         *weight.codes.stride(),
         *weight.scales.stride(),
         *offsets.stride(),
+        *super_scales.stride(),
+        *super_mins.stride(),
         bias.stride(0) if bias is not None else 0,
         *out.stride(),
         PACKED=weight.packed,
         GROUP_SIZE=weight.group_size,
         HAS_ZEROS=weight.zeros is not None,
+        HAS_SUPER=weight.super_scales is not None,
+        GROUPS_PER_SUPER=weight.groups_per_super,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

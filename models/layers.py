@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,13 +32,17 @@ def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -
     return F.linear(x, weight, bias)
 
 
+def _layout(w: QuantWeight) -> tuple:
+    """Everything two QuantWeights must share for their rows to be concatenated."""
+    def dtype(t: torch.Tensor | None) -> torch.dtype | None:
+        return None if t is None else t.dtype
+
+    return (w.bits, w.group_size, w.groups_per_super, dtype(w.scales), dtype(w.zeros), dtype(w.mins),
+            dtype(w.super_scales), dtype(w.super_mins))
+
+
 def _can_fuse(weights: list[QuantWeight]) -> bool:
-    first = weights[0]
-    return all(
-        w.perm is None
-        and (w.bits, w.group_size, w.scales.dtype, w.zeros is None) == (first.bits, first.group_size, first.scales.dtype, first.zeros is None)
-        for w in weights
-    )
+    return all(w.perm is None and _layout(w) == _layout(weights[0]) for w in weights)
 
 
 def _concat_rows(weights: list[QuantWeight]) -> QuantWeight:
@@ -44,8 +50,8 @@ def _concat_rows(weights: list[QuantWeight]) -> QuantWeight:
         parts = [getattr(w, field) for w in weights]
         return None if parts[0] is None else torch.cat(parts)
 
-    first = weights[0]
-    return QuantWeight(first.bits, first.group_size, cat("codes"), cat("scales"), cat("zeros"), cat("mins"))
+    fields = ("codes", "scales", "zeros", "mins", "super_scales", "super_mins")
+    return replace(weights[0], **{f: cat(f) for f in fields})
 
 
 class Linear(nn.Module):

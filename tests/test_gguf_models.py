@@ -176,3 +176,25 @@ def test_bad_gguf_models_fail_cleanly(tmp_path, model) -> None:
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf at all")
     with pytest.raises(LocalserveError, match="GGUF"):
         LLM(not_gguf, device="cpu", num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q4_K_M"])
+def test_four_bit_gguf_weights_stay_about_file_size(tmp_path, model, ftype: str) -> None:
+    """Every weight the engine holds (embeddings and LM head included) against the bytes
+    of all tensors in the file and against fp16. Measured 1.10x (Q4_0) and 1.12x
+    (Q4_K_M): the Q6_K tensors llama.cpp picks for the LM head (and, in Q4_K_M, some
+    attn_v/ffn_down) hold their 6-bit codes in a byte each."""
+    from localserve.formats.gguf_file import read_gguf
+
+    source = tmp_path / "tiny-f32.gguf"
+    write_gguf(source, model, Q.F32)
+    path = tmp_path / f"tiny-{ftype}.gguf"
+    llama_cpp_quantize(source, path, ftype)
+    gguf_file = read_gguf(path)
+    file_bytes = sum(info.nbytes for info in gguf_file.tensors.values() if len(info.shape) == 2)
+    engine = Engine(path, EngineConfig(num_kv_blocks=8), device="cpu", dtype=torch.float32)
+    linears = list(engine.model.linears())
+    held = sum(linear.nbytes for linear in linears)
+    fp16_bytes = sum(linear.in_features * sum(linear.part_sizes) * 2 for linear in linears)
+    print(f"\n{ftype}: weights {held} bytes in memory, {file_bytes} in the file, {fp16_bytes} as fp16")
+    assert held <= 1.15 * file_bytes and held < 0.4 * fp16_bytes

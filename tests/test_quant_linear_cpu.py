@@ -16,22 +16,36 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 def make_weight(bits: int, group_size: int, form: str, scale_dtype: torch.dtype, zero_dtype: torch.dtype,
                 permuted: bool, n: int = 24, k: int = 128) -> QuantWeight:
+    """Random codes and factors; ``scale_dtype`` int8 means two-level scales (GGUF
+    K-quant style: fp16 super-scales times integer sub-scales, and sub-mins likewise)."""
     generator = torch.Generator().manual_seed(bits * 100 + group_size)
     groups = k // group_size
     codes = torch.randint(0, 1 << bits, (n, k), generator=generator)
-    scales = (torch.rand(n, groups, generator=generator) * 0.1).to(scale_dtype)
-    offsets = (
-        {"zeros": torch.randint(0, 300 if zero_dtype == torch.int16 else 1 << bits, (n, groups), generator=generator).to(zero_dtype)}
-        if form == "zeros"
-        else {"mins": torch.randn(n, groups, generator=generator)}
-    )
+    two_level = scale_dtype == torch.int8
+    extra: dict = {}
+    if two_level:
+        per_super = max(1, groups // 2)
+        scales = torch.randint(-32, 32, (n, groups), generator=generator).to(torch.int8)
+        extra["super_scales"] = (torch.rand(n, groups // per_super, generator=generator) * 0.01).half()
+        extra["groups_per_super"] = per_super
+        if form == "mins":
+            extra["super_mins"] = (torch.rand(n, groups // per_super, generator=generator) * 0.01).half()
+    else:
+        scales = (torch.rand(n, groups, generator=generator) * 0.1).to(scale_dtype)
+    if form == "zeros":
+        high = 300 if zero_dtype == torch.int16 else 1 << bits
+        extra["zeros"] = torch.randint(0, high, (n, groups), generator=generator).to(zero_dtype)
+    elif two_level:
+        extra["mins"] = torch.randint(0, 64, (n, groups), generator=generator).to(torch.uint8)
+    else:
+        extra["mins"] = torch.randn(n, groups, generator=generator)
     perm = torch.randperm(k, generator=generator) if permuted else None
-    return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, perm=perm, **offsets)
+    return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, perm=perm, **extra)
 
 
 CASES = [
     case
-    for case in itertools.product([2, 4, 5, 8], [16, 32, 128], ["zeros", "mins"], [torch.float16, torch.float32],
+    for case in itertools.product([2, 4, 5, 8], [16, 32, 128], ["zeros", "mins"], [torch.float16, torch.float32, torch.int8],
                                   [torch.uint8, torch.int16], [False, True])
     if not (case[2] == "mins" and case[4] == torch.int16)  # the zero dtype does not apply to mins
 ]

@@ -186,3 +186,21 @@ def test_dispatcher_uses_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [1]
     expected = quant_linear_ref(x, weight, bias)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("block_k", [16, 64])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_k_quants_two_level_scales(type_name: str, block_k: int) -> None:
+    """Real K-quant layouts (fp16 super-scales times integer sub-scales and sub-mins),
+    with tiles inside one group (16) and spanning several (64)."""
+    gguf = pytest.importorskip("gguf")
+    from localserve.formats.gguf_quants import gguf_to_weight
+
+    from .test_gguf_quants import random_blocks
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    shape = (24, 512)
+    weight = gguf_to_weight("w", random_blocks(qtype, shape, seed=int(qtype)), int(qtype), shape)
+    assert weight.super_scales is not None
+    x, _ = make_inputs(3, 24, 512, torch.float32, bias=False)
+    check(x, weight.to(DEVICE), None, block_m=16, block_n=16, block_k=block_k)

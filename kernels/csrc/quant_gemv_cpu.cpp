@@ -1,37 +1,82 @@
 // Fused dequantize + matmul for QuantWeight on the CPU, for a few rows of x (decode).
 //
-// Each output row n is dequantized group by group into a small buffer with exactly the
-// fp32 operations of the reference ((q - zero) * scale, or scale * q - min; the build turns
-// FMA contraction off so no product is fused), then dotted with every row of x. The
-// weight is read once per call and never materialised as a whole.
+// Each output row n first widens its per-group scales and offsets (zeros or mins) to fp32,
+// multiplying out two-level scales exactly as the reference does. Then it is dequantized
+// group by group into a small buffer with exactly the fp32 operations of the reference
+// ((q - zero) * scale, or scale * q - min; the build turns FMA contraction off so no
+// product is fused) and dotted with every row of x. The weight is read once per call and
+// never materialised as a whole.
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
 
-template <typename Scale>
-inline float to_float(Scale v) { return static_cast<float>(v); }
-template <>
-inline float to_float<at::Half>(at::Half v) { return static_cast<float>(v); }
+// One [N, width] tensor of per-group (or per-super-block) factors, of any stored dtype.
+struct Factors {
+  const void* data = nullptr;
+  at::ScalarType type = at::kFloat;
+  int64_t width = 0;
 
-// Zero: uint8_t or int16_t for the zeros form; float for the mins form (kMins).
-template <bool kPacked, bool kMins, typename Scale, typename Zero>
-void gemv(const float* x, int64_t rows, int64_t k, const uint8_t* codes, const Scale* scales,
-          const Zero* offsets, int64_t groups, int64_t group_size, float* out, int64_t n_out) {
+  static Factors of(const torch::Tensor& t) {
+    TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "weight factors: contiguous [N, groups]");
+    return {t.data_ptr(), t.scalar_type(), t.size(1)};
+  }
+
+  template <typename T>
+  void widen_as(int64_t n, float* out) const {
+    const T* row = static_cast<const T*>(data) + n * width;
+    for (int64_t i = 0; i < width; ++i) out[i] = static_cast<float>(row[i]);
+  }
+
+  // Row n as fp32 (every supported type converts exactly).
+  void widen(int64_t n, float* out) const {
+    switch (type) {
+      case at::kFloat: widen_as<float>(n, out); break;
+      case at::kHalf: widen_as<at::Half>(n, out); break;
+      case at::kByte: widen_as<uint8_t>(n, out); break;
+      case at::kChar: widen_as<int8_t>(n, out); break;
+      case at::kShort: widen_as<int16_t>(n, out); break;
+      default: TORCH_CHECK(false, "unsupported factor dtype ", type);
+    }
+  }
+};
+
+// Row n's per-group values: inner[g], or outer[g / per_outer] * inner[g] in fp32.
+void group_values(const Factors& inner, const std::optional<Factors>& outer, int64_t per_outer, int64_t n,
+                  float* out, float* outer_buffer) {
+  inner.widen(n, out);
+  if (!outer) return;
+  outer->widen(n, outer_buffer);
+  for (int64_t g = 0; g < inner.width; ++g) out[g] = outer_buffer[g / per_outer] * out[g];
+}
+
+struct Weight {
+  const uint8_t* codes;
+  bool packed;
+  int64_t group_size;
+  Factors scales, offsets;
+  std::optional<Factors> super_scales, super_offsets;
+  int64_t groups_per_super;
+};
+
+template <bool kPacked, bool kMins>
+void gemv(const float* x, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
   const int64_t code_stride = kPacked ? k / 2 : k;
+  const int64_t groups = wt.scales.width, group_size = wt.group_size;
 #pragma omp parallel
   {
-    std::vector<float> w(group_size);
-    std::vector<float> acc(rows);
+    std::vector<float> w(group_size), acc(rows), scale(groups), offset(groups), outer(groups);
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < n_out; ++n) {
-      const uint8_t* row_codes = codes + n * code_stride;
+      const uint8_t* row_codes = wt.codes + n * code_stride;
+      group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
+      group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t g = 0; g < groups; ++g) {
-        const float s = to_float(scales[n * groups + g]);
-        const float o = static_cast<float>(offsets[n * groups + g]);
+        const float s = scale[g], o = offset[g];
         const int64_t k0 = g * group_size;
         if constexpr (kPacked) {
           // Byte j holds inputs 2j (low nibble) and 2j + 1 (high nibble).
@@ -64,38 +109,35 @@ void gemv(const float* x, int64_t rows, int64_t k, const uint8_t* codes, const S
   }
 }
 
-template <bool kPacked, typename Scale>
-void dispatch_offsets(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                      const torch::Tensor& offsets, bool mins, int64_t group_size, torch::Tensor& out) {
-  const int64_t rows = x.size(0), k = x.size(1), n_out = out.size(1), groups = scales.size(1);
-  const auto* xs = x.data_ptr<float>();
-  const auto* cs = codes.data_ptr<uint8_t>();
-  const auto* ss = scales.data_ptr<Scale>();
-  auto* os = out.data_ptr<float>();
-  if (mins) {
-    gemv<kPacked, true>(xs, rows, k, cs, ss, offsets.data_ptr<float>(), groups, group_size, os, n_out);
-  } else if (offsets.scalar_type() == torch::kUInt8) {
-    gemv<kPacked, false>(xs, rows, k, cs, ss, offsets.data_ptr<uint8_t>(), groups, group_size, os, n_out);
-  } else {
-    gemv<kPacked, false>(xs, rows, k, cs, ss, offsets.data_ptr<int16_t>(), groups, group_size, os, n_out);
-  }
+std::optional<Factors> optional_factors(const std::optional<torch::Tensor>& t) {
+  if (!t) return std::nullopt;
+  return Factors::of(*t);
 }
 
 }  // namespace
 
-// x [rows, K] fp32; codes uint8 [N, K/2] (packed) or [N, K]; scales fp16/fp32 [N, G];
-// offsets: zeros (uint8/int16) or mins (fp32) [N, G]. Returns [rows, N] fp32.
+// x [rows, K] fp32; codes uint8 [N, K/2] (packed) or [N, K]; scales [N, G] (fp16/fp32, or
+// integer sub-scales with super_scales [N, G / groups_per_super]); offsets: zeros
+// (uint8/int16) or mins (fp32, or integer sub-mins with super_offsets). Returns [rows, N].
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                         bool mins, bool packed, int64_t group_size) {
+                         bool mins, bool packed, int64_t group_size, std::optional<torch::Tensor> super_scales,
+                         std::optional<torch::Tensor> super_offsets, int64_t groups_per_super) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous fp32 [rows, K]");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(), "contiguous weight parts");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "codes: contiguous uint8");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0 && scales.size(1) * group_size == k, "groups do not tile K");
+  TORCH_CHECK(codes.size(1) == (packed ? k / 2 : k), "codes do not match K");
+  TORCH_CHECK(groups_per_super > 0, "groups_per_super must be positive");
+  const Weight weight{codes.data_ptr<uint8_t>(), packed, group_size, Factors::of(scales), Factors::of(offsets),
+                      optional_factors(super_scales), optional_factors(super_offsets), groups_per_super};
   auto out = torch::empty({x.size(0), codes.size(0)}, x.options());
-  if (scales.scalar_type() == torch::kHalf) {
-    packed ? dispatch_offsets<true, at::Half>(x, codes, scales, offsets, mins, group_size, out)
-           : dispatch_offsets<false, at::Half>(x, codes, scales, offsets, mins, group_size, out);
+  const float* xs = x.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const int64_t rows = x.size(0), n_out = codes.size(0);
+  if (packed) {
+    mins ? gemv<true, true>(xs, rows, k, weight, os, n_out) : gemv<true, false>(xs, rows, k, weight, os, n_out);
   } else {
-    packed ? dispatch_offsets<true, float>(x, codes, scales, offsets, mins, group_size, out)
-           : dispatch_offsets<false, float>(x, codes, scales, offsets, mins, group_size, out);
+    mins ? gemv<false, true>(xs, rows, k, weight, os, n_out) : gemv<false, false>(xs, rows, k, weight, os, n_out);
   }
   return out;
 }

@@ -2,26 +2,28 @@
 
 Every supported GGUF block type is a group quantization in disguise: each block holds
 fixed-width integer codes plus per-sub-block scales (and offsets). This module unpacks
-the codes into ``QuantWeight``'s layout and precomputes the per-group fp32 scales and
-offsets with exactly the fp32 operations of ggml's reference dequantization (as mirrored
-by gguf-py's ``gguf.quants``), so ``dequantize(gguf_to_weight(...))`` is bit-identical to
-the reference. Which reference expression each type reproduces:
+the codes into ``QuantWeight``'s layout and keeps the scales in a form whose fp32
+operations are exactly those of ggml's reference dequantization (as mirrored by gguf-py's
+``gguf.quants``), so ``dequantize(gguf_to_weight(...))`` is bit-identical to the
+reference. Which reference expression each type reproduces:
 
 - Q4_0: ``d * (q - 8)``, q 4-bit -> zeros 8, fp16 scales d (group 32)
 - Q4_1: ``d * q + m``, q 4-bit -> mins ``-m``, fp16 scales d (group 32)
 - Q5_0: ``d * (q - 16)``, q 5-bit -> zeros 16, fp16 scales d (group 32)
 - Q5_1: ``d * q + m``, q 5-bit -> mins ``-m``, fp16 scales d (group 32)
 - Q8_0: ``d * q``, q int8 -> codes ``q + 128``, zeros 128, fp16 scales d (group 32)
-- Q2_K: ``(d*sc) * q - (dmin*m)``, q 2-bit -> mins form, fp32 scales/mins (group 16)
-- Q3_K: ``(d*(sc-32)) * q``, q in -4..3 -> codes ``q + 4``, zeros 4, fp32 scales (group 16)
-- Q4_K: ``(d*sc) * q - (dmin*m)``, q 4-bit -> mins form, fp32 scales/mins (group 32)
-- Q5_K: ``(d*sc) * q - (dmin*m)``, q 5-bit -> mins form, fp32 scales/mins (group 32)
-- Q6_K: ``(d*sc) * (q - 32)``, q 6-bit -> zeros 32, fp32 scales (group 16)
+- Q2_K: ``(d*sc) * q - (dmin*m)``, q 2-bit -> mins form (group 16)
+- Q3_K: ``(d*(sc-32)) * q``, q in -4..3 -> codes ``q + 4``, zeros 4 (group 16)
+- Q4_K: ``(d*sc) * q - (dmin*m)``, q 4-bit -> mins form (group 32)
+- Q5_K: ``(d*sc) * q - (dmin*m)``, q 5-bit -> mins form (group 32)
+- Q6_K: ``(d*sc) * (q - 32)``, q 6-bit -> zeros 32 (group 16)
 
 ``code - zero`` is an exact small integer and negating ``m`` is exact, so QuantWeight's
 ``scales * (code - zero)`` and ``scales * code - mins`` round exactly like the
 reference's single multiply (and multiply-then-add). The K-quant products ``d * sc``
-must stay fp32: a fp16 ``d`` times a 6-bit scale does not fit fp16's mantissa.
+do not fit fp16's mantissa, so K-quants keep them factored as QuantWeight's two-level
+scales (fp16 ``d``/``dmin`` per 256 inputs, integer ``sc``/``m`` per group), multiplied in
+fp32 when dequantizing: the weights stay at about their file size.
 
 Decoding is vectorised over whole blocks and runs over bounded chunks of rows, so a
 multi-GiB tensor never needs more than a few tens of MiB of temporaries.
@@ -60,11 +62,14 @@ _CHUNK_ELEMENTS = 1 << 22
 class _Decoded:
     """One chunk of blocks in QuantWeight terms, before packing: ``codes`` uint8
     ``[n_blocks, block_elements]`` (unpacked), ``scales`` ``[n_blocks, groups_per_block]``
-    and, for the mins form, fp32 ``mins`` of the same shape."""
+    and, for the mins form, ``mins`` of the same shape. K-quants give integer sub-scales
+    (and sub-mins) plus their fp16 ``super_scales`` (``super_mins``) ``[n_blocks, 1]``."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +79,12 @@ class _BlockType:
     bits: int
     group_size: int
     zero: int | None  # constant zero point; None means the mins form
-    scale_dtype: torch.dtype
+    scale_dtype: torch.dtype  # an integer type means two-level scales (K-quants)
     decode: Callable[[torch.Tensor], _Decoded]
+
+    @property
+    def two_level(self) -> bool:
+        return not self.scale_dtype.is_floating_point
 
 
 # ---------------------------------------------------------------------------
@@ -127,11 +136,6 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return _split_bits(qs.reshape(-1, 4, 32), 4, 2, 2).reshape(qs.shape[0], -1)
 
 
-def _times(d: torch.Tensor, small_ints: torch.Tensor) -> torch.Tensor:
-    """fp32 ``d * float(small_ints)``: the reference widens both to fp32, then multiplies once."""
-    return d.float() * small_ints.float()
-
-
 # ---------------------------------------------------------------------------
 # Decoders, one per type. Byte layouts follow ggml's block structs (see gguf-py's
 # ``gguf/quants.py``); each comment gives the struct field order.
@@ -169,8 +173,8 @@ def _decode_q2_k(blocks: torch.Tensor) -> _Decoded:
     # Code byte j of 32-byte half h holds elements 128h + 32s + j at bits 2s..2s+1.
     sc = blocks[:, 0:16]
     codes = _split_bits(blocks[:, 16:80].reshape(-1, 2, 32), 2, 4, 2).reshape(blocks.shape[0], -1)
-    return _Decoded(codes=codes, scales=_times(_fp16(blocks, 80), sc & 0x0F),
-                    mins=_times(_fp16(blocks, 82), sc >> 4))
+    return _Decoded(codes=codes, scales=sc & 0x0F, mins=sc >> 4, super_scales=_fp16(blocks, 80),
+                    super_mins=_fp16(blocks, 82))
 
 
 def _decode_q3_k(blocks: torch.Tensor) -> _Decoded:
@@ -188,14 +192,14 @@ def _decode_q3_k(blocks: torch.Tensor) -> _Decoded:
     low_sc = _split_bits(packed[:, 0:8], 4, 2, 1).reshape(n, 16)
     high_sc = _split_bits(packed[:, 8:12], 2, 4, 1).reshape(n, 16)
     signed = (low_sc | (high_sc << 4)).to(torch.int8) - 32  # 6-bit offset-32 scale
-    return _Decoded(codes=codes, scales=_times(_fp16(blocks, 108), signed))
+    return _Decoded(codes=codes, scales=signed, super_scales=_fp16(blocks, 108))
 
 
 def _decode_q4_k(blocks: torch.Tensor) -> _Decoded:
     # d | dmin | 12 bytes of scales/mins | 128 bytes of nibbles
     sc, m = _k_scale_min(blocks[:, 4:16])
-    return _Decoded(codes=_k_low_nibbles(blocks[:, 16:144]), scales=_times(_fp16(blocks, 0), sc),
-                    mins=_times(_fp16(blocks, 2), m))
+    return _Decoded(codes=_k_low_nibbles(blocks[:, 16:144]), scales=sc, mins=m, super_scales=_fp16(blocks, 0),
+                    super_mins=_fp16(blocks, 2))
 
 
 def _decode_q5_k(blocks: torch.Tensor) -> _Decoded:
@@ -204,7 +208,7 @@ def _decode_q5_k(blocks: torch.Tensor) -> _Decoded:
     sc, m = _k_scale_min(blocks[:, 4:16])
     high = _split_bits(blocks[:, 16:48], 1, 8, 1).reshape(blocks.shape[0], -1)
     codes = _k_low_nibbles(blocks[:, 48:176]) | (high << 4)
-    return _Decoded(codes=codes, scales=_times(_fp16(blocks, 0), sc), mins=_times(_fp16(blocks, 2), m))
+    return _Decoded(codes=codes, scales=sc, mins=m, super_scales=_fp16(blocks, 0), super_mins=_fp16(blocks, 2))
 
 
 def _decode_q6_k(blocks: torch.Tensor) -> _Decoded:
@@ -215,7 +219,7 @@ def _decode_q6_k(blocks: torch.Tensor) -> _Decoded:
     # qh: 32-byte half h holds the top 2 bits of elements 128h + 32s + j at bits 2s.
     high = _split_bits(blocks[:, 128:192].reshape(-1, 2, 32), 2, 4, 2).reshape(n, -1)
     scales = blocks[:, 192:208].contiguous().view(torch.int8)
-    return _Decoded(codes=low | (high << 4), scales=_times(_fp16(blocks, 208), scales))
+    return _Decoded(codes=low | (high << 4), scales=scales, super_scales=_fp16(blocks, 208))
 
 
 _BLOCK_TYPES: dict[int, _BlockType] = {
@@ -224,11 +228,11 @@ _BLOCK_TYPES: dict[int, _BlockType] = {
     Q5_0: _BlockType(32, 22, 5, 32, 16, torch.float16, _decode_q5_0),
     Q5_1: _BlockType(32, 24, 5, 32, None, torch.float16, _decode_q5_1),
     Q8_0: _BlockType(32, 34, 8, 32, 128, torch.float16, _decode_q8_0),
-    Q2_K: _BlockType(256, 84, 2, 16, None, torch.float32, _decode_q2_k),
-    Q3_K: _BlockType(256, 110, 3, 16, 4, torch.float32, _decode_q3_k),
-    Q4_K: _BlockType(256, 144, 4, 32, None, torch.float32, _decode_q4_k),
-    Q5_K: _BlockType(256, 176, 5, 32, None, torch.float32, _decode_q5_k),
-    Q6_K: _BlockType(256, 210, 6, 16, 32, torch.float32, _decode_q6_k),
+    Q2_K: _BlockType(256, 84, 2, 16, None, torch.uint8, _decode_q2_k),
+    Q3_K: _BlockType(256, 110, 3, 16, 4, torch.int8, _decode_q3_k),
+    Q4_K: _BlockType(256, 144, 4, 32, None, torch.uint8, _decode_q4_k),
+    Q5_K: _BlockType(256, 176, 5, 32, None, torch.uint8, _decode_q5_k),
+    Q6_K: _BlockType(256, 210, 6, 16, 32, torch.int8, _decode_q6_k),
 }
 
 
@@ -294,7 +298,11 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
     groups = width // bt.group_size
     codes = torch.empty((rows, width // 2 if bt.bits <= 4 else width), dtype=torch.uint8)
     scales = torch.empty((rows, groups), dtype=bt.scale_dtype)
-    mins = torch.empty((rows, groups), dtype=torch.float32) if bt.zero is None else None
+    mins_form = bt.zero is None
+    mins = torch.empty((rows, groups), dtype=torch.uint8 if bt.two_level else torch.float32) if mins_form else None
+    # Two-level scales: one fp16 super-scale (and super-min) per block.
+    super_scales = torch.empty((rows, blocks_per_row), dtype=torch.float16) if bt.two_level else None
+    super_mins = super_scales.clone() if super_scales is not None and mins_form else None
 
     # Loop over chunks of whole rows (not over blocks): each step decodes every block of
     # its rows with vectorised tensor ops.
@@ -310,9 +318,17 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
         if mins is not None:
             assert decoded.mins is not None
             mins[start:stop] = decoded.mins.reshape(n_rows, groups)
+        if super_scales is not None:
+            assert decoded.super_scales is not None
+            super_scales[start:stop] = decoded.super_scales.reshape(n_rows, blocks_per_row)
+        if super_mins is not None:
+            assert decoded.super_mins is not None
+            super_mins[start:stop] = decoded.super_mins.reshape(n_rows, blocks_per_row)
 
     zeros = torch.full((rows, groups), bt.zero, dtype=torch.uint8) if bt.zero is not None else None
-    return QuantWeight(bits=bt.bits, group_size=bt.group_size, codes=codes, scales=scales, zeros=zeros, mins=mins)
+    return QuantWeight(bits=bt.bits, group_size=bt.group_size, codes=codes, scales=scales, zeros=zeros, mins=mins,
+                       super_scales=super_scales, super_mins=super_mins,
+                       groups_per_super=bt.block_elements // bt.group_size if bt.two_level else 1)
 
 
 def gguf_to_weight(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | QuantWeight:
