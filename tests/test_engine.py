@@ -104,7 +104,7 @@ def test_max_num_seqs_and_budget_respected(llama) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert max(n for n, _ in batches) == 3 and max(t for _, t in batches) == 20
-    assert engine.pool.num_used == 0
+    assert engine.kv.device.num_used == 0
 
 
 def test_abort_frees_blocks_at_once(llama) -> None:

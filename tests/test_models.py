@@ -27,7 +27,7 @@ def all_logits(engine: Engine, prompts: list[list[int]], chunks: list[int] | Non
             if r.num_computed_tokens < r.num_tokens:
                 n = min(pending[r.request_id].pop(0) if pending[r.request_id] else r.num_tokens,
                         r.num_tokens - r.num_computed_tokens)
-                assert engine.scheduler.blocks.try_allocate(r, n)
+                assert engine.kv.try_allocate(r, n)
                 batch.add(r, n)
         inputs = prepare_inputs(batch, engine.config.block_size, engine.device)
         with torch.inference_mode():
@@ -39,7 +39,7 @@ def all_logits(engine: Engine, prompts: list[list[int]], chunks: list[int] | Non
             r.num_computed_tokens += n
             start += n
     for r in requests:
-        engine.scheduler.blocks.free(r)
+        engine.kv.free(r)
     return [torch.cat(parts) for parts in logits]
 
 

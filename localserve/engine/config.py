@@ -15,6 +15,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped to what the pool holds
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
     kv_cache_memory: int = 2 << 30  # bytes for the KV pool when num_kv_blocks is not given
+    cpu_offload_gb: float = 0.0  # GiB of host memory for the CPU tier (swapped requests, spilled prefixes)
+    num_cpu_blocks: int | None = None  # exact CPU-tier size; overrides cpu_offload_gb
+    enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes across requests
 
     def __post_init__(self) -> None:
         checks = [
@@ -24,6 +27,8 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
             (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
+            (self.cpu_offload_gb >= 0, "cpu_offload_gb must not be negative"),
+            (self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative"),
         ]
         for ok, message in checks:
             if not ok:

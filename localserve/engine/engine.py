@@ -15,7 +15,8 @@ from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
-from .kv_cache import BlockManager, BlockPool, allocate_kv_tensors, kv_bytes_per_block
+from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors, kv_bytes_per_block
+from .kv_transfer import KVTransfer
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -76,19 +77,25 @@ class Engine:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer()
 
         block_size = self.config.block_size
-        num_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_memory // kv_bytes_per_block(spec, block_size, self.dtype)
-        )
+        block_bytes = kv_bytes_per_block(spec, block_size, self.dtype)
+        num_blocks = self.config.num_kv_blocks or max(1, self.config.kv_cache_memory // block_bytes)
+        num_cpu_blocks = self.config.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = int(self.config.cpu_offload_gb * (1 << 30)) // block_bytes
         self.max_model_len = self._max_model_len(num_blocks * block_size)
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, self.max_model_len)
         kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.dtype, self.device)
+        cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.dtype, torch.device("cpu"),
+                                         pin_memory=self.device.type == "cuda")
         log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
-            num_blocks, block_size, num_blocks * block_size, self.max_model_len,
+            "KV cache: %d blocks of %d tokens (%d tokens); CPU tier %d blocks; max_model_len %d",
+            num_blocks, block_size, num_blocks * block_size, num_cpu_blocks, self.max_model_len,
         )
 
-        self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(self.config, BlockManager(self.pool, block_size))
+        self.kv = KVCacheManager(BlockPool(num_blocks), BlockPool(num_cpu_blocks), block_size,
+                                 self.config.enable_prefix_caching)
+        self.transfer = KVTransfer(kv_caches, cpu_caches)
+        self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -168,6 +175,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample; outputs of the requests that advanced."""
         batch = self.scheduler.schedule()
+        self.transfer.run(batch.copies)
+        self.kv.end_step()
         if not batch.requests:
             return []
         sampled, result = self.runner.execute(batch)
@@ -175,6 +184,7 @@ class Engine:
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens_total += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
         outputs = []
         now = time.monotonic()
         for i, request in enumerate(sampled):
@@ -239,14 +249,26 @@ class Engine:
 
     # -- statistics -------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | str]:
+        kv, scheduler = self.kv, self.scheduler
         return {
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_total": kv.device.num_blocks,
+            "kv_blocks_used": kv.device.num_used,
+            "kv_blocks_cached": kv.device.num_cached,
             "kv_block_size": self.config.block_size,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache_dtype": str(self.dtype).removeprefix("torch."),
+            "cpu_blocks_total": kv.cpu.num_blocks,
+            "cpu_blocks_used": kv.cpu.num_used,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_swapped": len(scheduler.swapped),
+            "num_preemptions": scheduler.num_preemptions,
+            "num_recomputes": scheduler.num_recomputes,
+            "swap_out_blocks": kv.stats.swap_out_blocks,
+            "swap_in_blocks": kv.stats.swap_in_blocks,
+            "prefix_cache_queries": kv.stats.prefix_cache_queries,
+            "prefix_cache_hits": kv.stats.prefix_cache_hits,
+            "prefix_cache_cpu_hits": kv.stats.prefix_cache_cpu_hits,
             "num_prompt_tokens_total": self.num_prompt_tokens_total,
             "num_generated_tokens_total": self.num_generated_tokens_total,
             "num_finished_requests": self.num_finished_requests,

@@ -15,7 +15,7 @@ from .sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not started, or preempted and waiting to recompute
     RUNNING = "running"  # holds KV blocks, scheduled every step it fits
-    SWAPPED = "swapped"  # KV blocks held in the CPU tier (the offload issue fills this in)
+    SWAPPED = "swapped"  # preempted with its KV blocks copied to the CPU tier
     FINISHED = "finished"
 
 
@@ -30,7 +30,10 @@ class Request:
     # prompt followed by the generated tokens; what a recompute prefills again.
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # device blocks
+    cpu_block_table: list[int] = field(default_factory=list)  # while SWAPPED
+    block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks so far
+    num_cached_blocks: int = 0  # leading blocks of block_table already named in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" or "length" (or "abort")
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -38,6 +41,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # found in the prefix cache at (last) admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,10 +1,15 @@
 """Iteration-level (continuous) batching under a per-step token budget.
 
 Every step the running requests go first, oldest first: a decode costs one token of
-budget, a partly prefilled prompt takes the next chunk that fits. Waiting requests
-then join, first come first served, while budget, sequence slots and free blocks
-last; a long prompt joins with whatever chunk of it fits. When a running request
-needs a block and none is free, the newest running request is preempted.
+budget, a partly prefilled prompt takes the next chunk that fits. Then requests swapped
+out to the CPU tier come back, oldest first, and only when none is left do waiting
+requests join, first come first served, each starting after its cached prefix, while
+budget, sequence slots and free blocks last; a long prompt joins with whatever chunk
+of it fits.
+
+When a running request needs a block and none is free, the newest running request is
+preempted: swapped out to the CPU tier when that has room for its blocks, otherwise
+freed to be recomputed later. Nothing comes back or joins in a step that preempted.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv_cache import BlockManager
+from .kv_cache import BlockCopies, KVCacheManager
 from .request import Request, RequestStatus
 
 
@@ -22,6 +27,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # per request, this step
     preempted: list[Request] = field(default_factory=list)
+    copies: BlockCopies = field(default_factory=BlockCopies)  # to run before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -33,74 +39,98 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
-        self.blocks = blocks
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest admission first
+        self.swapped: deque[Request] = deque()  # oldest admission first
         self.num_preemptions = 0
+        self.num_recomputes = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:  # a step that preempted has a full pool
+            budget = self._swap_in(batch, budget)
+            if not self.swapped:
+                self._admit_waiting(batch, budget)
+        batch.copies = self.kv.take_copies()
+        return batch
 
+    def _remaining(self, request: Request, budget: int) -> int:
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.blocks.try_allocate(request, num_new):
+            num_new = self._remaining(request, budget)
+            while not self.kv.try_allocate(request, num_new):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is request:
-                    break
-            else:
-                batch.add(request, num_new)
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request preempted itself: nothing newer is left to run
+                    return budget  # it preempted itself: nothing newer is left to run
+            batch.add(request, num_new)
+            budget -= num_new
+            index += 1
+        return budget
 
-        # Nobody joins in a step that had to preempt: the pool is full.
-        while self.waiting and budget > 0 and not batch.preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+    def _swap_in(self, batch: ScheduledBatch, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._remaining(request, budget)
+            if not self.kv.try_swap_in(request, num_new):
                 break
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.add(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.blocks.try_allocate(request, num_new):
+            hit = self.kv.find_cached_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv.admit(request, hit, num_new):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.add(request, num_new)
             budget -= num_new
-        return batch
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and queue it to be recomputed first.
-
-        The seam for the CPU offload tier: swapping out instead of recomputing
-        belongs here, chosen when the host pool has room.
-        """
-        self.blocks.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
+        """Swap the request out to the CPU tier if it has room, else free its blocks and
+        queue it to be recomputed first."""
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if self.kv.can_swap_out(request):
+            self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)  # preempted newest first: the oldest ends up first
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.num_recomputes += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request wherever it is."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.blocks.free(request)
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        self.kv.free(request)
         request.status = RequestStatus.FINISHED
