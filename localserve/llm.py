@@ -20,7 +20,8 @@ class LLM:
     """``LLM(path).generate(prompts, params)``: batched generation, outputs in input order.
 
     Engine options (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``max_model_len``, ``num_kv_blocks``, ``kv_cache_memory``) pass through as keywords.
+    ``max_model_len``, ``num_kv_blocks``, ``kv_cache_memory``, ``cpu_offload_gb``,
+    ``enable_prefix_caching``, ...) pass through as keywords.
     """
 
     def __init__(

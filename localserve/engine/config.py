@@ -14,7 +14,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step at most
     max_model_len: int | None = None  # default: the model's context, capped to what the pool holds
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
-    kv_cache_memory: int = 2 << 30  # bytes for the KV pool when num_kv_blocks is not given
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default: measured on CUDA, 2 GiB on CPU
+    gpu_memory_utilization: float = 0.90  # share of the GPU's memory localserve may use in all
     cpu_offload_gb: float = 0.0  # GiB of host memory for the CPU tier (swapped requests, spilled prefixes)
     num_cpu_blocks: int | None = None  # exact CPU-tier size; overrides cpu_offload_gb
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes across requests
@@ -26,7 +27,8 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
-            (self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
+            (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
+            (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.cpu_offload_gb >= 0, "cpu_offload_gb must not be negative"),
             (self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative"),
         ]

@@ -17,6 +17,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors, kv_bytes_per_block
 from .kv_transfer import KVTransfer
+from .memory import kv_pool_bytes
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -78,18 +79,23 @@ class Engine:
 
         block_size = self.config.block_size
         block_bytes = kv_bytes_per_block(spec, block_size, self.dtype)
-        num_blocks = self.config.num_kv_blocks or max(1, self.config.kv_cache_memory // block_bytes)
+        context = self._context_limit()
+        self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context)
+        num_blocks = self.config.num_kv_blocks or max(
+            1, kv_pool_bytes(self.config, self.model, spec, self.dtype, self.device, context) // block_bytes
+        )
         num_cpu_blocks = self.config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = int(self.config.cpu_offload_gb * (1 << 30)) // block_bytes
-        self.max_model_len = self._max_model_len(num_blocks * block_size)
-        self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, self.max_model_len)
+        self.max_model_len = self._cap_to_pool(context, num_blocks * block_size)
         kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.dtype, self.device)
         cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.dtype, torch.device("cpu"),
                                          pin_memory=self.device.type == "cuda")
         log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); CPU tier %d blocks; max_model_len %d",
-            num_blocks, block_size, num_blocks * block_size, num_cpu_blocks, self.max_model_len,
+            "KV cache on %s: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); largest context that fits: %d; "
+            "CPU tier: %d blocks (%d tokens)",
+            self.device, num_blocks, block_size, num_blocks * block_size, num_blocks * block_bytes / (1 << 30),
+            str(self.dtype).removeprefix("torch."), self.max_model_len, num_cpu_blocks, num_cpu_blocks * block_size,
         )
 
         self.kv = KVCacheManager(BlockPool(num_blocks), BlockPool(num_cpu_blocks), block_size,
@@ -107,7 +113,8 @@ class Engine:
         self.num_generated_tokens_total = 0
         self.num_finished_requests = 0
 
-    def _max_model_len(self, pool_tokens: int) -> int:
+    def _context_limit(self) -> int:
+        """The longest context asked for (``max_model_len``) or the model's own."""
         limit = self.spec.max_position_embeddings
         if self.spec.sliding_window:
             # Attention here is full, not windowed: past the window it would differ from
@@ -116,8 +123,12 @@ class Engine:
         wanted = self.config.max_model_len or limit
         if wanted > limit:
             raise LocalserveError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens")
+        return wanted
+
+    def _cap_to_pool(self, wanted: int, pool_tokens: int) -> int:
         if wanted > pool_tokens:
-            log.warning("max_model_len %d capped to %d: the KV pool holds no more", wanted, pool_tokens)
+            log.warning("max_model_len %d capped to %d: the KV pool holds no more (give it more memory with "
+                        "kv_cache_memory or gpu_memory_utilization)", wanted, pool_tokens)
             return pool_tokens
         return wanted
 

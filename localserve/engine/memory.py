@@ -1,0 +1,83 @@
+"""How many KV blocks the device can hold.
+
+On CUDA the pool takes what is left of ``gpu_memory_utilization`` of the GPU's memory
+after everything already there (our weights, other processes, the CUDA context) and
+after the peak activations of the largest step, measured by running one. On a CPU-only
+host the pool has an explicit size (``kv_cache_memory``; 2 GiB unless given).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..errors import LocalserveError
+from .kv_cache import allocate_kv_tensors
+from .request import Request
+from .runner import prepare_inputs
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+CPU_DEFAULT_KV_MEMORY = 2 * GiB
+
+
+def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: float, reserve: int = 0) -> int:
+    """Bytes for the KV pool: the utilization share of ``total``, less what is in use
+    now (``total - free``: weights, other processes, the CUDA context), the peak
+    activations of a step and any other ``reserve`` (CUDA graphs)."""
+    in_use = total - free
+    budget = int(total * utilization) - in_use - activation_peak - reserve
+    if budget <= 0:
+        raise LocalserveError(
+            f"no GPU memory left for the KV cache: {utilization:.0%} of {total / GiB:.1f} GiB allowed, "
+            f"{in_use / GiB:.2f} GiB in use after loading the weights, {activation_peak / GiB:.2f} GiB for "
+            "activations; raise gpu_memory_utilization, lower max_num_batched_tokens, or use a smaller model"
+        )
+    return budget
+
+
+@torch.inference_mode()
+def profile_activation_peak(model: torch.nn.Module, spec, num_tokens: int, block_size: int,  # type: ignore[no-untyped-def]
+                            dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> int:
+    """Peak CUDA memory of one forward over ``num_tokens`` (the largest step), above
+    what was allocated before it, not counting the scratch KV cache it writes."""
+    num_blocks = -(-num_tokens // block_size)
+    scratch = allocate_kv_tensors(spec, num_blocks, block_size, dtype, device)
+    scratch_bytes = sum(t.numel() * t.element_size() for pair in scratch for t in pair)
+    request = Request("profile", [0] * num_tokens, SamplingParams(), frozenset())
+    request.block_table = list(range(num_blocks))
+    batch = ScheduledBatch()
+    batch.add(request, num_tokens)
+    inputs = prepare_inputs(batch, block_size, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    hidden = model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
+    # Sampling reads logits for up to max_num_seqs rows at once.
+    rows = hidden[: min(max_num_seqs, num_tokens)]
+    model.compute_logits(rows).float().softmax(-1)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del scratch, hidden, rows
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def kv_pool_bytes(config, model: torch.nn.Module, spec, dtype: torch.dtype, device: torch.device,  # type: ignore[no-untyped-def]
+                  max_model_len: int) -> int:
+    """The device pool's size in bytes from the engine options (see the module doc)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_MEMORY
+    step_tokens = min(config.max_num_batched_tokens, max_model_len)
+    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, dtype, device, config.max_num_seqs)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization)
+    log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations; "
+             "%.2f GiB for the KV cache", total / GiB, (total - free) / GiB, peak / GiB, budget / GiB)
+    return budget

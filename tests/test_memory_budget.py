@@ -1,0 +1,52 @@
+"""Sizing the KV pool from memory, and capping the context to what it holds."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from localserve import Engine, EngineConfig, LocalserveError, SamplingParams
+from localserve.engine.kv_cache import kv_bytes_per_block
+from localserve.engine.memory import CPU_DEFAULT_KV_MEMORY, GiB, kv_budget_bytes
+
+
+def test_budget_is_utilization_share_less_everything_in_use() -> None:
+    # 24 GiB card, 5 GiB in use after loading (weights, context, another process), 1 GiB peak activations.
+    assert kv_budget_bytes(24 * GiB, 19 * GiB, 1 * GiB, 0.9) == int(24 * GiB * 0.9) - 5 * GiB - 1 * GiB
+    assert kv_budget_bytes(24 * GiB, 19 * GiB, 1 * GiB, 0.9, reserve=GiB // 2) == int(24 * GiB * 0.9) - 6.5 * GiB
+    with pytest.raises(LocalserveError, match="no GPU memory left for the KV cache.*gpu_memory_utilization"):
+        kv_budget_bytes(12 * GiB, 2 * GiB, 1 * GiB, 0.9)
+
+
+def test_invalid_options_are_refused() -> None:
+    for options in ({"gpu_memory_utilization": 0}, {"gpu_memory_utilization": 1.5}, {"kv_cache_memory": 0},
+                    {"cpu_offload_gb": -1}):
+        with pytest.raises(LocalserveError, match="invalid engine option"):
+            EngineConfig(**options)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models.get("llama")
+
+
+def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> None:
+    path, _ = llama
+    default = Engine(path, device="cpu")
+    block_bytes = kv_bytes_per_block(default.spec, 16, default.dtype)
+    assert default.stats()["kv_blocks_total"] == CPU_DEFAULT_KV_MEMORY // block_bytes
+
+    caplog.set_level(logging.INFO, logger="localserve")
+    engine = Engine(path, EngineConfig(kv_cache_memory=10 * block_bytes), device="cpu")
+    assert engine.stats()["kv_blocks_total"] == 10 and engine.max_model_len == 160
+    log = caplog.text
+    assert "capped to 160" in log and "10 blocks of 16 tokens = 160 tokens" in log
+    assert "largest context that fits: 160" in log
+    # A request that could never fit is refused at once, not left waiting.
+    with pytest.raises(LocalserveError, match="exceeds the context of 160 tokens"):
+        engine.add_request(list(range(3, 153)), SamplingParams(max_tokens=20))
+    engine.add_request(list(range(3, 143)), SamplingParams(max_tokens=20, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["num_generated_tokens_total"] == 20
