@@ -20,26 +20,17 @@ import time
 from pathlib import Path
 
 import torch
+from random_model import save_random_llama
 
 BLOCK_SIZE = 16
 
 
 def build_checkpoint(path: Path, hidden: int, layers: int) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+    save_random_llama(
+        path, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
         max_position_embeddings=4096, tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # std 1/sqrt(fan_in): non-degenerate logits
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0, param.shape[-1] ** -0.5)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, fp32, CPU")
-    model.save_pretrained(path)
 
 
 def mixed_workload(count: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:

@@ -20,24 +20,14 @@ import time
 from pathlib import Path
 
 import torch
+from random_model import save_random_llama
 
 
 def build_checkpoint(path: Path, args: argparse.Namespace) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-        tie_word_embeddings=True,
+    save_random_llama(
+        path, vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # std 1/sqrt(fan_in): non-degenerate logits
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0, param.shape[-1] ** -0.5)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, fp32")
-    model.save_pretrained(path)
 
 
 def bench_localserve(path: Path, prompts: list[list[int]], output_lens: list[int]) -> float:
