@@ -76,7 +76,8 @@ def main() -> None:
         build_checkpoint(path, args.hidden, args.layers)
         prompts, output_lens = mixed_workload(args.requests)
         needed = sum(-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(prompts, output_lens))
-        small = needed // 4
+        # A quarter of the need, but never less than the largest request alone needs.
+        small = max(needed // 4, max(-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(prompts, output_lens)))
         print(f"workload: {args.requests} requests, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(output_lens)} output tokens, {needed} KV blocks if all ran at once")
 
