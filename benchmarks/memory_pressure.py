@@ -75,9 +75,10 @@ def main() -> None:
         path = Path(tmp) / "model"
         build_checkpoint(path, args.hidden, args.layers)
         prompts, output_lens = mixed_workload(args.requests)
-        needed = sum(-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(prompts, output_lens))
+        per_request = [-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(prompts, output_lens)]
+        needed = sum(per_request)
         # A quarter of the need, but never less than the largest request alone needs.
-        small = max(needed // 4, max(-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(prompts, output_lens)))
+        small = max(needed // 4, max(per_request))
         print(f"workload: {args.requests} requests, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(output_lens)} output tokens, {needed} KV blocks if all ran at once")
 

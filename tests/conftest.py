@@ -110,6 +110,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     return TinyModels(tmp_path_factory.mktemp("tiny-models"))
 
 
+@pytest.fixture(scope="session")
+def llama(tiny_models: TinyModels):  # type: ignore[no-untyped-def]
+    """The tiny Llama checkpoint and its transformers twin."""
+    return tiny_models.get("llama")
+
+
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()

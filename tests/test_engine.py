@@ -19,11 +19,6 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_models):
-    return tiny_models.get("llama")
-
-
-@pytest.fixture(scope="module")
 def hf_expected(llama) -> list[list[int]]:
     _, hf = llama
     return [hf_greedy(hf, p, m) for p, m in zip(PROMPTS, MAX_TOKENS)]

@@ -26,11 +26,6 @@ def test_invalid_options_are_refused() -> None:
             EngineConfig(**options)
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_models):
-    return tiny_models.get("llama")
-
-
 def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> None:
     path, _ = llama
     default = Engine(path, device="cpu")

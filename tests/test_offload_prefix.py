@@ -14,11 +14,6 @@ from .test_engine import MAX_TOKENS, PROMPTS, greedy, run_engine
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_models):
-    return tiny_models.get("llama")
-
-
-@pytest.fixture(scope="module")
 def unconstrained(llama) -> list[list[int]]:
     path, _ = llama
     engine = Engine(path, EngineConfig(max_num_batched_tokens=128, num_kv_blocks=1024), device="cpu")

@@ -241,7 +241,7 @@ class KVCacheManager:
             self._copies.to_device.append((cpu_block, device_block))
             self.device.register(device_block, name)
         request.block_table = hit.device_blocks + new_blocks
-        request.num_computed_tokens = request.num_cached_prompt_tokens = hit.num_tokens
+        request.num_computed_tokens = hit.num_tokens
         request.num_cached_blocks = len(hit.device_blocks) + len(hit.cpu_blocks)
         if self.enable_prefix_caching:
             self.stats.prefix_cache_queries += request.num_tokens

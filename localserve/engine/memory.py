@@ -13,6 +13,8 @@ import logging
 import torch
 
 from ..errors import LocalserveError
+from ..formats.spec import ModelSpec
+from .config import EngineConfig
 from .kv_cache import allocate_kv_tensors
 from .request import Request
 from .runner import prepare_inputs
@@ -41,7 +43,7 @@ def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: fl
 
 
 @torch.inference_mode()
-def profile_activation_peak(model: torch.nn.Module, spec, num_tokens: int, block_size: int,  # type: ignore[no-untyped-def]
+def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens: int, block_size: int,
                             dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> int:
     """Peak CUDA memory of one forward over ``num_tokens`` (the largest step), above
     what was allocated before it, not counting the scratch KV cache it writes."""
@@ -67,8 +69,8 @@ def profile_activation_peak(model: torch.nn.Module, spec, num_tokens: int, block
     return max(0, peak)
 
 
-def kv_pool_bytes(config, model: torch.nn.Module, spec, dtype: torch.dtype, device: torch.device,  # type: ignore[no-untyped-def]
-                  max_model_len: int) -> int:
+def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype,
+                  device: torch.device, max_model_len: int) -> int:
     """The device pool's size in bytes from the engine options (see the module doc)."""
     if config.kv_cache_memory is not None:
         return config.kv_cache_memory

@@ -41,7 +41,6 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    num_cached_prompt_tokens: int = 0  # found in the prefix cache at (last) admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
