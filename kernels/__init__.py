@@ -5,6 +5,6 @@ Triton kernel when the tensors live on CUDA and Triton is importable. This packa
 imports nothing else of localserve.
 """
 
-from .attention import AttentionMetadata, paged_attention, write_kv
+from .attention import AttentionMetadata, KVCache, is_8bit, paged_attention, write_kv
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "KVCache", "is_8bit", "paged_attention", "write_kv"]

@@ -11,11 +11,15 @@ owning rows ``query_start_loc[b]:query_start_loc[b+1]``. Those rows are the last
 ``query_len`` tokens of a sequence whose cache holds ``seq_len`` tokens once this
 step's keys are written, so new token ``i`` sits at position
 ``seq_len - query_len + i`` and attends causally to cache positions ``<= `` its own.
+
+An 8-bit cache (int8 or float8 e4m3) adds per-token, per-head float32 scales of
+shape ``[num_blocks, block_size, num_kv_heads]`` (see ``attention_ref.quantize_kv``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -42,34 +46,62 @@ class AttentionMetadata:
         return len(self.seq_lens_host)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+@dataclass(slots=True)
+class KVCache:
+    """One layer's paged cache."""
+
+    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] float32, 8-bit caches
+    value_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, pin_memory: bool = False) -> KVCache:
+        """A zeroed cache; ``dtype`` int8 or float8_e4m3fn makes it 8-bit, with scales."""
+
+        def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if not is_8bit(dtype):
+            return cls(make(*shape, dtype=dtype), make(*shape, dtype=dtype))
+        return cls(make(*shape, dtype=dtype), make(*shape, dtype=dtype),
+                   make(*shape[:3], dtype=torch.float32), make(*shape[:3], dtype=torch.float32))
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token takes in one layer: its keys and values, plus their scales."""
+        per_head = head_dim * torch.empty((), dtype=dtype).element_size() + (4 if is_8bit(dtype) else 0)
+        return 2 * num_kv_heads * per_head
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block first (what moving a block must copy)."""
+        return [t for t in (self.key, self.value, self.key_scale, self.value_scale) if t is not None]
+
+
+def is_8bit(dtype: torch.dtype) -> bool:
+    """Whether a cache of this dtype holds quantized codes with scales."""
+    return dtype in attention_ref.KV_QMAX
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store this step's keys/values ``[num_tokens, num_kv_heads, head_dim]`` in the cache."""
-    if use_triton(key):
-        from . import attention_triton
-
-        attention_triton.write_kv(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        attention_ref.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    kernels = _kernels(key)
+    kernels.write_kv(key, value, cache.key, cache.value, slot_mapping, cache.key_scale, cache.value_scale)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
     cache; grouped-query attention when ``num_heads`` is a multiple of the cache's
     ``num_kv_heads``. Returns ``[num_tokens, num_heads, head_dim]``."""
-    if use_triton(query):
+    kernels = _kernels(query)
+    return kernels.paged_attention(query, cache.key, cache.value, meta, scale, cache.key_scale, cache.value_scale)
+
+
+def _kernels(tensor: torch.Tensor) -> ModuleType:
+    if use_triton(tensor):
         from . import attention_triton
 
-        return attention_triton.paged_attention(query, k_cache, v_cache, meta, scale)
-    return attention_ref.paged_attention(query, k_cache, v_cache, meta, scale)
+        return attention_triton
+    return attention_ref

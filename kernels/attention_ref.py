@@ -3,6 +3,11 @@
 Decode rows (one query token) of the whole batch go through one batched SDPA call
 over their gathered blocks; prefill rows go one sequence at a time. Inputs to SDPA
 are always 4-D: on CPU, 3-D inputs and many small calls fall onto slow paths.
+
+An 8-bit cache (int8, or float8 e4m3) stores each token's head vector as codes plus
+one float32 scale, ``amax / qmax``: per token, so a token is quantized once when it
+is written and never again, and per head, since heads differ in range by orders of
+magnitude. Attention dequantizes to the query dtype before its matmuls.
 """
 
 from __future__ import annotations
@@ -16,25 +21,67 @@ if TYPE_CHECKING:
     from .attention import AttentionMetadata
 
 
+# The largest code of each 8-bit cache dtype.
+KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# Floor for a scale, so an all-zero head vector divides by something: its codes are 0.
+MIN_KV_SCALE = 1e-30
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., dim]`` as ``dtype`` codes and float32 scales ``[...]``; codes round to
+    nearest, ties to even."""
+    qmax = KV_QMAX[dtype]
+    x = x.float()
+    scale = (x.abs().amax(-1) / qmax).clamp_min(MIN_KV_SCALE)
+    y = (x / scale[..., None]).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.round(y)
+    return y.to(dtype), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale[..., None]).to(dtype)
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """Store ``key``/``value`` ``[tokens, kv_heads, dim]`` at their slots; an 8-bit cache
+    (``k_scale``/``v_scale`` given, ``[blocks, block_size, kv_heads]``) stores codes and scales."""
+    for new, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        flat = cache.view(-1, *cache.shape[2:])
+        if scales is None:
+            flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
+        else:
+            codes, scale = quantize_kv(new, cache.dtype)
+            # As bytes: CPU index_copy_ has no float8 kernel.
+            flat.view(torch.uint8).index_copy_(0, slot_mapping, codes.view(torch.uint8))
+            scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, scale)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """The first ``num_blocks`` blocks of each table, as ``[batch, kv_heads, tokens, dim]``."""
+    """The first ``num_blocks`` blocks of each table, as ``[batch, kv_heads, tokens, ...]``
+    (``...`` is the head dim for a cache, nothing for its scales)."""
     batch = block_tables.shape[0]
     # index_select on flat block ids copies far faster on CPU than advanced indexing.
     ids = block_tables[:, :num_blocks].reshape(-1).long()
     blocks = cache.index_select(0, ids).view(batch, -1, *cache.shape[2:])
     return blocks.transpose(1, 2)
+
+
+def gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, block_tables: torch.Tensor, num_blocks: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``gather_blocks`` of a cache, dequantized to ``dtype``."""
+    blocks = gather_blocks(cache, block_tables, num_blocks)
+    if scales is None:
+        return blocks.to(dtype)
+    return dequantize_kv(blocks, gather_blocks(scales, block_tables, num_blocks), dtype)
 
 
 def paged_attention(
@@ -43,6 +90,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
@@ -54,13 +103,14 @@ def paged_attention(
             decodes.append(b)
         else:
             num_blocks = -(-seq_len // block_size)
-            k = gather_blocks(k_cache, meta.block_tables[b : b + 1], num_blocks)[:, :, :seq_len]
-            v = gather_blocks(v_cache, meta.block_tables[b : b + 1], num_blocks)[:, :, :seq_len]
+            table = meta.block_tables[b : b + 1]
+            k = gather_kv(k_cache, k_scale, table, num_blocks, query.dtype)[:, :, :seq_len]
+            v = gather_kv(v_cache, v_scale, table, num_blocks, query.dtype)[:, :, :seq_len]
             q = query[row : row + query_len].transpose(0, 1).unsqueeze(0)
             # Query i is position seq_len - query_len + i and sees keys 0..that position.
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device) <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[row : row + query_len] = o[0].transpose(0, 1)
         row += query_len
 
@@ -70,8 +120,8 @@ def paged_attention(
         seq_lens = meta.seq_lens[index]
         num_blocks = -(-max(meta.seq_lens_host[b] for b in decodes) // block_size)
         tables = meta.block_tables[index]
-        k = gather_blocks(k_cache, tables, num_blocks).to(query.dtype)
-        v = gather_blocks(v_cache, tables, num_blocks).to(query.dtype)
+        k = gather_kv(k_cache, k_scale, tables, num_blocks, query.dtype)
+        v = gather_kv(v_cache, v_scale, tables, num_blocks, query.dtype)
         mask = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None].long()
         q = query[rows].unsqueeze(2)  # [batch, heads, 1, dim]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)

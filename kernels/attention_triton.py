@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_ref import KV_QMAX, MIN_KV_SCALE
+
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
 
@@ -36,6 +38,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -50,11 +54,17 @@ def _write_kv_kernel(
     stride_vcs,
     stride_vch,
     stride_vcd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    QMAX: tl.constexpr,  # 0: the cache holds the values; else an 8-bit cache's largest code
+    ROUND: tl.constexpr,  # int8 codes round to integers, float8 codes to the e4m3 grid
+    MIN_SCALE: tl.constexpr,
 ):
     # One program per token, copying all of its kv heads at once: a token's heads are
     # contiguous in both source and cache, so this is one wide coalesced copy.
@@ -70,12 +80,49 @@ def _write_kv_kernel(
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
 
-    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    # Padded lanes load 0, so they never raise a head's absolute maximum when quantizing.
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask, other=0.0)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims * stride_kcd
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims * stride_vcd
+    if QMAX > 0:
+        scale_offset = block * stride_sb + offset * stride_ss + heads * stride_sh
+        k = _quantize(k, k_scale_ptr + scale_offset, heads < NUM_KV_HEADS, QMAX, ROUND, MIN_SCALE)
+        v = _quantize(v, v_scale_ptr + scale_offset, heads < NUM_KV_HEADS, QMAX, ROUND, MIN_SCALE)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize(x, scale_ptrs, head_valid, QMAX: tl.constexpr, ROUND: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Rows of ``x`` (one per head) as codes in fp32, storing each row's scale;
+    the same arithmetic as ``attention_ref.quantize_kv``."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, MIN_SCALE)
+    tl.store(scale_ptrs, scale[:, None], mask=head_valid)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -QMAX), QMAX)
+    if ROUND:
+        return _round_half_even(y)
+    return _round_to_e4m3(y)
+
+
+@triton.jit
+def _round_half_even(x):
+    # For |x| < 2**22: x + 1.5 * 2**23 has no fraction bits left, so the fp32 add
+    # itself rounds x to an integer, ties to even; subtracting gives it back exactly.
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """``y`` (fp32, |y| <= 448) rounded to the nearest float8 e4m3 value, ties to even,
+    exactly in fp32, so the cast that follows has nothing left to round. Casts alone
+    are not trusted: the interpreter's drops the carry (127.9 gives 64) and some GPUs
+    round twice, through fp16."""
+    biased_exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # 3 mantissa bits: a step of 2**(exponent - 3); below 2**-6, subnormal steps of 2**-9.
+    step = ((tl.maximum(biased_exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    return _round_half_even(y / step) * step
 
 
 def write_kv(
@@ -84,11 +131,15 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their cache
-    slots, cast to the cache dtype. Tokens whose slot is negative are skipped."""
+    slots, cast to the cache dtype, or quantized when scales are given. Tokens whose
+    slot is negative are skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    scales = _check_scales(k_cache, k_scale, v_scale)
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if slot_mapping.shape != (num_tokens,):
@@ -102,15 +153,21 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        scales[0],
+        scales[1],
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *scales[0].stride()[:3],  # placeholders pass the cache's first three
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
+        QMAX=_qmax(k_scale, k_cache),
+        ROUND=k_cache.dtype == torch.int8,
+        MIN_SCALE=MIN_KV_SCALE,
     )
 
 
@@ -124,6 +181,8 @@ def _paged_attention_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
@@ -143,8 +202,12 @@ def _paged_attention_kernel(
     stride_vcs,
     stride_vch,
     stride_vcd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     stride_btb,
     stride_btn,
+    QUANTIZED: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -214,8 +277,14 @@ def _paged_attention_kernel(
             + kv_head * stride_kch
             + dims[None, :] * stride_kcd
         )
-        # The reference casts the cache to the query dtype before the matmul; match it.
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        # The reference casts (or dequantizes) the cache to the query dtype before the
+        # matmul; match it.
+        if QUANTIZED:
+            scale_offsets = block * stride_sb + offset * stride_ss + kv_head * stride_sh
+            k = _load_dequantized(k_ptrs, k_scale_ptr + scale_offsets, kv_mask, kv_valid)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)
         # "ieee" only matters for fp32 inputs, which would otherwise go through TF32
         # (~1e-3 error); fp16/bf16 use tensor cores either way.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -234,7 +303,11 @@ def _paged_attention_kernel(
             + kv_head * stride_vch
             + dims[None, :] * stride_vcd
         )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+        if QUANTIZED:
+            v = _load_dequantized(v_ptrs, v_scale_ptr + scale_offsets, kv_mask, kv_valid)
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -243,6 +316,15 @@ def _paged_attention_kernel(
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def _load_dequantized(code_ptrs, scale_ptrs, mask, row_valid):
+    """A tile of 8-bit codes times their per-row scales, in fp32, 0 where masked."""
+    # No fill value on the code load: the interpreter cannot cast one to float8.
+    codes = tl.load(code_ptrs, mask=mask).to(tl.float32)
+    scales = tl.load(scale_ptrs, mask=row_valid, other=0.0)
+    return tl.where(mask, codes * scales[:, None], 0.0)
 
 
 def _choose_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
@@ -265,12 +347,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
-    cache, for a flat batch of prefill chunks and decode tokens. Returns a tensor of
-    the query's shape and dtype."""
+    cache (8-bit when scales are given), for a flat batch of prefill chunks and decode
+    tokens. Returns a tensor of the query's shape and dtype."""
     block_m, block_n = _choose_tiles(meta.max_query_len, _group_size(query, k_cache), query.shape[2])
-    return _paged_attention(query, k_cache, v_cache, meta, scale, block_m=block_m, block_n=block_n)
+    return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, block_m=block_m, block_n=block_n)
 
 
 def _group_size(query: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -286,6 +370,8 @@ def _paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     block_m: int,
     block_n: int,
@@ -296,6 +382,7 @@ def _paged_attention(
     num_kv_heads = k_cache.shape[2]
     group = _group_size(query, k_cache)
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    scales = _check_scales(k_cache, k_scale, v_scale)
     if block_m < max(group, _MIN_DOT_DIM) or block_n < _MIN_DOT_DIM:
         raise ValueError(f"tiles too small: block_m={block_m}, block_n={block_n}, group={group}")
 
@@ -309,6 +396,8 @@ def _paged_attention(
         query,
         k_cache,
         v_cache,
+        scales[0],
+        scales[1],
         out,
         meta.block_tables,
         meta.query_start_loc,
@@ -318,7 +407,9 @@ def _paged_attention(
         *out.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *scales[0].stride()[:3],  # placeholders pass the cache's first three
         *meta.block_tables.stride(),
+        QUANTIZED=k_scale is not None,
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
@@ -340,3 +431,29 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
     block_size = k_cache.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} is not a power of two")
+
+
+def _check_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale tensors to pass the kernels: the real ones for an 8-bit cache, else
+    the caches themselves as placeholders the kernels never read."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale are given together or not at all")
+    if k_scale is None or v_scale is None:
+        if k_cache.dtype in KV_QMAX:
+            raise ValueError(f"a {k_cache.dtype} cache needs scales")
+        return k_cache, k_cache
+    if k_cache.dtype not in KV_QMAX:
+        raise ValueError(f"scales given for a {k_cache.dtype} cache; 8-bit caches are {sorted(map(str, KV_QMAX))}")
+    expected = k_cache.shape[:3]
+    for scales in (k_scale, v_scale):
+        if scales.shape != expected or scales.dtype != torch.float32:
+            raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype} != {tuple(expected)} float32")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must have the same strides")
+    return k_scale, v_scale
+
+
+def _qmax(scales: torch.Tensor | None, cache: torch.Tensor) -> float:
+    return 0.0 if scales is None else KV_QMAX[cache.dtype]

@@ -2,12 +2,74 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Callable
 
 import click
 
 from . import __version__
+from .engine.config import KV_CACHE_DTYPES, EngineConfig
 from .errors import LocalserveError
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes: plain (``1073741824``) or with a unit (``512MiB``, ``4GiB``, ``2GB``)."""
+
+    name = "size"
+    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+              "t": 1 << 40, "tib": 1 << 40}
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().replace(" ", "")
+        number = text.rstrip("kmgtib")
+        unit = text[len(number):]
+        try:
+            size = float(number) * self._UNITS[unit]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a size (e.g. 4GiB, 512MiB, 1073741824)", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return int(size)
+
+
+def engine_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The engine options every command that loads a model takes (``EngineConfig``
+    fields, with its defaults)."""
+
+    def option(flag: str, help: str, **kwargs: object) -> Callable[..., object]:
+        field = flag.split("/")[0].removeprefix("--").replace("-", "_")
+        default = _DEFAULTS[field]
+        return click.option(flag, field, default=default, show_default=default is not None, help=help, **kwargs)
+
+    options = [
+        option("--max-model-len", "Longest prompt + output; default the model's context.", type=int),
+        option("--max-num-seqs", "Sequences per step at most.", type=int),
+        option("--max-num-batched-tokens", "Tokens per step at most (long prompts are prefilled in chunks).",
+               type=int),
+        option("--gpu-memory-utilization", "Share of the GPU's memory to use; the KV cache gets what the weights "
+               "and activations leave.", type=float),
+        option("--kv-cache-memory", "Size of the device KV cache (e.g. 4GiB); default: measured on CUDA, "
+               "2GiB on CPU.", type=ByteSize()),
+        option("--kv-cache-dtype", "auto is the model's dtype; int8 and fp8 take about half of fp16.",
+               type=click.Choice(list(KV_CACHE_DTYPES))),
+        option("--cpu-offload-gb", "GiB of host memory for swapped requests and spilled prefix blocks.", type=float),
+        option("--enable-prefix-caching/--no-enable-prefix-caching", "Share the KV of equal prompt prefixes."),
+    ]
+    for add in reversed(options):
+        command = add(command)  # type: ignore[assignment]
+    return command
+
+
+def engine_config(options: dict[str, object]) -> EngineConfig:
+    """The ``EngineConfig`` from a command's ``engine_options`` (removed from ``options``)."""
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    return EngineConfig(**{name: options.pop(name) for name in names if name in options})  # type: ignore[arg-type]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,15 +88,15 @@ def main() -> None:
 @click.option("--seed", type=int, default=None)
 @click.option("--device", default=None, help="cpu or cuda; default cuda when available.")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device.")
+@engine_options
 def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-        seed: int | None, device: str | None, dtype: str | None) -> None:
+        seed: int | None, device: str | None, dtype: str | None, **options: object) -> None:
     """Generate from MODEL (a .gguf file or an HF checkpoint folder) for PROMPT, streaming the text."""
-    from .engine.config import EngineConfig
     from .engine.engine import Engine
     from .engine.sampling_params import SamplingParams
 
     try:
-        engine = Engine(model, EngineConfig(), device=device, dtype=dtype)
+        engine = Engine(model, engine_config(options), device=device, dtype=dtype)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         engine.add_request(prompt, params)
         shown = 0

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localserve.formats.spec import ModelSpec
-from localserve.kernels import AttentionMetadata, paged_attention, write_kv
+from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
 
 from .layers import Embedding, Linear, RMSNorm
 from .rope import RotaryEmbedding
@@ -38,8 +38,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -49,8 +48,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        write_kv(k, v, cache, meta.slot_mapping)
+        out = paged_attention(q, cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -78,11 +77,10 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rope, k_cache, v_cache, meta)
+        x = x + self.attn(self.input_norm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -101,14 +99,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V."""
         x = self.embed.lookup(input_ids, self.dtype)
         rope = self.rotary.lookup(positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, rope, k_cache, v_cache, meta)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, rope, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

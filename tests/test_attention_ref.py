@@ -8,7 +8,10 @@ import math
 import pytest
 import torch
 
-from localserve.kernels import AttentionMetadata, paged_attention, write_kv
+from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
+from localserve.kernels.attention_ref import dequantize_kv, quantize_kv
+
+EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -25,33 +28,37 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, *EIGHT_BIT])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_mixed_batch_equals_naive(heads: int, kv_heads: int) -> None:
+def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.dtype) -> None:
+    """An 8-bit cache must equal naive attention over the keys and values as quantized
+    and dequantized one token at a time."""
     torch.manual_seed(0)
     dim, block_size, num_blocks = 16, 4, 64
     # (cached context, new tokens): fresh prefill, chunk after context, decodes.
     shapes = [(0, 9), (6, 5), (13, 1), (0, 1), (22, 1), (3, 7)]
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, dim)
-    v_cache = torch.zeros_like(k_cache)
+    cache = KVCache.allocate(num_blocks, block_size, kv_heads, dim, cache_dtype, torch.device("cpu"))
     free = torch.randperm(num_blocks).tolist()  # blocks out of order in the pool
-    tables, full_k, full_v, queries, slots = [], [], [], [], []
+    tables, keys, values, full_k, full_v, queries, slots = [], [], [], [], [], [], []
     for context, new in shapes:
         total = context + new
         table = [free.pop() for _ in range(math.ceil(total / block_size))]
         tables.append(table)
         k, v = torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
-        full_k.append(k)
-        full_v.append(v)
+        keys.append(k)
+        values.append(v)
+        full_k.append(k if cache_dtype == torch.float32 else dequantize_kv(*quantize_kv(k, cache_dtype), k.dtype))
+        full_v.append(v if cache_dtype == torch.float32 else dequantize_kv(*quantize_kv(v, cache_dtype), v.dtype))
         positions = range(total)
         slot = torch.tensor([table[p // block_size] * block_size + p % block_size for p in positions])
         # Context is already cached; this step writes the new tokens through write_kv.
-        write_kv(k[:context], v[:context], k_cache, v_cache, slot[:context])
+        write_kv(k[:context], v[:context], cache, slot[:context])
         slots.append(slot[context:])
         queries.append(torch.randn(new, heads, dim))
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(keys, shapes)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(values, shapes)])
     slot_mapping = torch.cat(slots)
-    write_kv(new_k, new_v, k_cache, v_cache, slot_mapping)
+    write_kv(new_k, new_v, cache, slot_mapping)
 
     width = max(map(len, tables))
     query_lens = [n for _, n in shapes]
@@ -67,6 +74,33 @@ def test_mixed_batch_equals_naive(heads: int, kv_heads: int) -> None:
         seq_lens_host=seq_lens,
     )
     scale = dim**-0.5
-    out = paged_attention(torch.cat(queries), k_cache, v_cache, meta, scale)
+    out = paged_attention(torch.cat(queries), cache, meta, scale)
     expected = torch.cat([naive_attention(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", EIGHT_BIT)
+def test_quantize_kv_follows_its_definition(dtype: torch.dtype) -> None:
+    """Scale = amax / qmax per head vector; every value comes back within the format's
+    rounding error of it; all-zero vectors stay zero rather than NaN."""
+    torch.manual_seed(0)
+    # Heads of very different ranges, as real keys have, and one all-zero vector.
+    x = torch.randn(5, 3, 32) * torch.tensor([0.01, 1.0, 300.0])[None, :, None]
+    x[2, 1] = 0
+    codes, scale = quantize_kv(x, dtype)
+    assert codes.dtype == dtype and scale.shape == (5, 3) and scale.dtype == torch.float32
+    qmax = {torch.int8: 127, torch.float8_e4m3fn: 448}[dtype]
+    amax = x.abs().amax(-1)
+    torch.testing.assert_close(scale[amax > 0], amax[amax > 0] / qmax)
+    assert codes.float().abs().amax(-1)[amax > 0].eq(qmax).all(), "the largest value maps to the largest code"
+    restored = dequantize_kv(codes, scale, torch.float32)
+    assert restored[2, 1].eq(0).all()
+    # int8: half a step of the scale; e4m3 (3 mantissa bits): 1/16 of the value, or
+    # half its smallest subnormal step (2**-10 of the scale) near zero.
+    if dtype == torch.int8:
+        bound = scale[..., None] / 2
+    else:
+        bound = torch.maximum(x.abs() / 16, scale[..., None] * 2**-10)
+    assert ((restored - x).abs() <= bound * (1 + 1e-6)).all()
+    relative = (restored - x).norm() / x.norm()
+    assert relative < (0.01 if dtype == torch.int8 else 0.04)

@@ -16,6 +16,15 @@ triton, DEVICE, INTERPRETED = triton_or_skip()
 
 from localserve.kernels import attention_ref, attention_triton  # noqa: E402
 from localserve.kernels.attention import AttentionMetadata  # noqa: E402
+from localserve.kernels.attention_ref import KV_QMAX, quantize_kv  # noqa: E402
+
+
+def unowned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents no sequence owns: NaN, or for int8 codes -128, which quantizing
+    never produces (codes are clamped to +-127)."""
+    if dtype == torch.int8:
+        return torch.full(shape, -128, dtype=dtype)
+    return torch.full(shape, float("nan")).to(dtype)
 
 
 
@@ -84,12 +93,21 @@ class Batch:
             new_slots += slots(b, range(s - q, s))
 
         cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype)
-        self.v_cache = torch.full(cache_shape, float("nan"), dtype=cache_dtype)
+        self.k_cache = unowned(cache_shape, cache_dtype)
+        self.v_cache = unowned(cache_shape, cache_dtype)
+        quantized = cache_dtype in KV_QMAX
+        self.k_scale = unowned(cache_shape[:3], torch.float32) if quantized else None
+        self.v_scale = unowned(cache_shape[:3], torch.float32) if quantized else None
         ctx = torch.tensor(context_slots, dtype=torch.long)
         kv_shape = (len(context_slots), num_kv_heads, head_dim)
-        for cache in (self.k_cache, self.v_cache):
-            cache.view(-1, num_kv_heads, head_dim)[ctx] = torch.randn(kv_shape, generator=gen).to(cache_dtype)
+        for cache, scales in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale)):
+            context = torch.randn(kv_shape, generator=gen)
+            if scales is None:
+                cache.view(-1, num_kv_heads, head_dim)[ctx] = context.to(cache_dtype)
+            else:
+                codes, scale = quantize_kv(context, cache_dtype)
+                cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)[ctx] = codes.view(torch.uint8)
+                scales.view(-1, num_kv_heads)[ctx] = scale
 
         num_tokens = sum(query_lens)
         self.query = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
@@ -110,19 +128,29 @@ class Batch:
             seq_lens_host=seq_lens,
         )
         # Built on CPU, so a seed gives the same batch on every device.
-        for name in ("k_cache", "v_cache", "query", "key", "value"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("k_cache", "v_cache", "k_scale", "v_scale", "query", "key", "value"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         for field in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(self.meta, field, getattr(self.meta, field).to(device))
 
+    @property
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.k_scale, self.v_scale
+
     def write_with_reference(self) -> None:
-        attention_ref.write_kv(self.key, self.value, self.k_cache, self.v_cache, self.meta.slot_mapping)
+        attention_ref.write_kv(self.key, self.value, self.k_cache, self.v_cache, self.meta.slot_mapping, *self.scales)
 
     def reference(self) -> torch.Tensor:
         # The reference may gather unowned slots and mask them in SDPA, where a NaN
         # value still poisons the row (0 * NaN); the NaNs are for the kernel only.
-        k_cache, v_cache = self.k_cache.nan_to_num(0.0), self.v_cache.nan_to_num(0.0)
-        return attention_ref.paged_attention(self.query, k_cache, v_cache, self.meta, self.scale)
+        def clean(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dtype == torch.int8:
+                return t
+            return t.float().nan_to_num(0.0).to(t.dtype)
+
+        return attention_ref.paged_attention(self.query, clean(self.k_cache), clean(self.v_cache), self.meta,
+                                             self.scale, clean(self.k_scale), clean(self.v_scale))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -166,6 +194,27 @@ def test_write_kv_matches_reference(
     # equal_nan: untouched slots must still hold their NaN.
     torch.testing.assert_close(batch.k_cache, k_expected, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(batch.v_cache, v_expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 64), (3, 80)])
+def test_write_kv_8bit_matches_reference(
+    dtype: torch.dtype, cache_dtype: torch.dtype, num_kv_heads: int, head_dim: int
+) -> None:
+    """Codes and scales bit for bit; padded heads and dims must not touch the scales."""
+    batch = Batch(MIXED, num_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                  cache_dtype=cache_dtype)
+    expected = [t.clone() for t in (batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale)]
+    attention_ref.write_kv(batch.key, batch.value, *expected[:2], batch.meta.slot_mapping, *expected[2:])
+
+    attention_triton.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping,
+                              *batch.scales)
+
+    actual = (batch.k_cache, batch.v_cache, batch.k_scale, batch.v_scale)
+    for got, want in zip(actual, expected):
+        # As bytes: equal codes, and NaN left where nothing was written.
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_write_kv_skips_negative_slots() -> None:
@@ -267,6 +316,45 @@ def test_paged_attention_non_contiguous_query() -> None:
     out = attention_triton.paged_attention(query, batch.k_cache, batch.v_cache, batch.meta, batch.scale)
 
     assert_close(out, batch.reference())
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 1, 80)])
+def test_paged_attention_8bit_cache(
+    dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    batch = Batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                  cache_dtype=cache_dtype)
+    batch.write_with_reference()
+
+    out = attention_triton.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                           *batch.scales)
+
+    assert_close(out, batch.reference())
+
+
+def test_paged_attention_8bit_small_tiles() -> None:
+    """Scale lookups per key, with key tiles spanning several cache blocks."""
+    batch = Batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, cache_dtype=torch.int8)
+    batch.write_with_reference()
+
+    out = attention_triton._paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                            *batch.scales, block_m=16, block_n=16)
+
+    assert_close(out, batch.reference())
+
+
+def test_8bit_cache_needs_matching_scales() -> None:
+    batch = Batch([(3, 3)], num_heads=2, num_kv_heads=2, head_dim=16, cache_dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs scales"):
+        attention_triton.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    with pytest.raises(ValueError, match="together"):
+        attention_triton.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping,
+                                  batch.k_scale, None)
+    with pytest.raises(ValueError, match="float32"):
+        attention_triton.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                         batch.k_scale.half(), batch.v_scale.half())
 
 
 def test_write_then_attend_with_triton() -> None:

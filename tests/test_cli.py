@@ -28,3 +28,27 @@ def test_run_reports_bad_model_cleanly(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "gpt-neox"}')
     result = CliRunner().invoke(main, ["run", str(tmp_path), "hi"])
     assert result.exit_code != 0 and "not supported" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
+def test_run_takes_engine_options() -> None:
+    args = ["run", str(STORIES_HF), "Once upon a time", "--max-tokens", "12", "--device", "cpu",
+            "--kv-cache-dtype", "int8", "--kv-cache-memory", "8MiB", "--cpu-offload-gb", "0.01",
+            "--no-enable-prefix-caching", "--max-num-seqs", "4"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(", there was a little girl named Lily")
+
+
+@pytest.mark.parametrize(("text", "size"), [("1073741824", 1 << 30), ("4GiB", 4 << 30), ("512MiB", 512 << 20),
+                                             ("2GB", 2 * 10**9), ("1.5g", 3 << 29), ("64 kib", 64 << 10)])
+def test_sizes_parse(text: str, size: int) -> None:
+    from localserve.cli import ByteSize
+
+    assert ByteSize().convert(text, None, None) == size
+
+
+@pytest.mark.parametrize("bad", ["12XB", "GiB", "-1GiB", "0"])
+def test_bad_sizes_are_refused(bad: str) -> None:
+    result = CliRunner().invoke(main, ["run", "nowhere", "hi", "--kv-cache-memory", bad])
+    assert result.exit_code == 2 and "--kv-cache-memory" in result.output

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import LocalserveError
+
+# kv_cache_dtype names: "auto" is the model's dtype; the others make an 8-bit cache.
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(slots=True)
@@ -19,6 +24,7 @@ class EngineConfig:
     cpu_offload_gb: float = 0.0  # GiB of host memory for the CPU tier (swapped requests, spilled prefixes)
     num_cpu_blocks: int | None = None  # exact CPU-tier size; overrides cpu_offload_gb
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes across requests
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, or fp8 (e4m3; CUDA needs compute 8.9+)
 
     def __post_init__(self) -> None:
         checks = [
@@ -31,7 +37,18 @@ class EngineConfig:
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.cpu_offload_gb >= 0, "cpu_offload_gb must not be negative"),
             (self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise LocalserveError(f"invalid engine option: {message}")
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The cache's torch dtype on ``device`` for a model computing in ``model_dtype``."""
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+        # Triton converts to float8 e4m3 only on compute capability 8.9+ (Ada, Hopper).
+        if dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise LocalserveError("kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                                  "use int8")
+        return dtype

@@ -78,24 +78,25 @@ class Engine:
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer()
 
         block_size = self.config.block_size
-        block_bytes = kv_bytes_per_block(spec, block_size, self.dtype)
+        self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
+        block_bytes = kv_bytes_per_block(spec, block_size, self.kv_dtype)
         context = self._context_limit()
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context)
         num_blocks = self.config.num_kv_blocks or max(
-            1, kv_pool_bytes(self.config, self.model, spec, self.dtype, self.device, context) // block_bytes
+            1, kv_pool_bytes(self.config, self.model, spec, self.kv_dtype, self.device, context) // block_bytes
         )
         num_cpu_blocks = self.config.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = int(self.config.cpu_offload_gb * (1 << 30)) // block_bytes
         self.max_model_len = self._cap_to_pool(context, num_blocks * block_size)
-        kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.dtype, self.device)
-        cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.dtype, torch.device("cpu"),
+        kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.kv_dtype, self.device)
+        cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.kv_dtype, torch.device("cpu"),
                                          pin_memory=self.device.type == "cuda")
         log.info(
             "KV cache on %s: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); largest context that fits: %d; "
             "CPU tier: %d blocks (%d tokens)",
             self.device, num_blocks, block_size, num_blocks * block_size, num_blocks * block_bytes / (1 << 30),
-            str(self.dtype).removeprefix("torch."), self.max_model_len, num_cpu_blocks, num_cpu_blocks * block_size,
+            str(self.kv_dtype).removeprefix("torch."), self.max_model_len, num_cpu_blocks, num_cpu_blocks * block_size,
         )
 
         self.kv = KVCacheManager(BlockPool(num_blocks), BlockPool(num_cpu_blocks), block_size,
@@ -267,7 +268,7 @@ class Engine:
             "kv_blocks_used": kv.device.num_used,
             "kv_blocks_cached": kv.device.num_cached,
             "kv_block_size": self.config.block_size,
-            "kv_cache_dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "cpu_blocks_total": kv.cpu.num_blocks,
             "cpu_blocks_used": kv.cpu.num_used,
             "num_running": len(scheduler.running),

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats.spec import ModelSpec
+from ..kernels import KVCache
 from .request import Request
 
 
@@ -313,18 +314,14 @@ class KVCacheManager:
 
 
 def kv_bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+    """Bytes of one block across all layers, with a cache of ``dtype`` (8-bit adds scales)."""
+    return spec.num_layers * block_size * KVCache.bytes_per_token(spec.num_kv_heads, spec.head_dim, dtype)
 
 
 def allocate_kv_tensors(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
     pin_memory: bool = False,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pair per layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-
-    def make() -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-
-    return [(make(), make()) for _ in range(spec.num_layers)]
+) -> list[KVCache]:
+    """One cache per layer, of ``num_blocks`` blocks."""
+    return [KVCache.allocate(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device, pin_memory)
+            for _ in range(spec.num_layers)]

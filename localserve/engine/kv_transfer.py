@@ -1,7 +1,9 @@
 """Moves KV blocks between the device pool and the CPU tier.
 
 The manager (``kv_cache.py``) decides which blocks move; this performs the copies for
-every layer's K and V, all device-to-CPU ones first, then the CPU-to-device ones.
+every tensor of every layer (K and V, and their scales in an 8-bit cache), all
+device-to-CPU ones first, then the CPU-to-device ones. A block is copied as bytes,
+whatever its dtype (CPU index_copy_ has no float8 kernel).
 
 On CUDA the copies run on a side stream into pinned host memory, so they overlap
 with whatever the host does meanwhile; the side stream first waits for the work
@@ -14,16 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import KVCache
 from .kv_cache import BlockCopies
-
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class KVTransfer:
-    def __init__(self, device_caches: KVCaches, cpu_caches: KVCaches) -> None:
-        self.device_caches = device_caches
-        self.cpu_caches = cpu_caches
-        device = device_caches[0][0].device if device_caches else torch.device("cpu")
+    def __init__(self, device_caches: list[KVCache], cpu_caches: list[KVCache]) -> None:
+        # (device, cpu) tensor pairs, as bytes.
+        self.pairs = [
+            (device_tensor.view(torch.uint8), cpu_tensor.view(torch.uint8))
+            for device_cache, cpu_cache in zip(device_caches, cpu_caches)
+            for device_tensor, cpu_tensor in zip(device_cache.tensors(), cpu_cache.tensors())
+        ]
+        device = device_caches[0].key.device if device_caches else torch.device("cpu")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self, copies: BlockCopies) -> None:
@@ -47,14 +52,12 @@ class KVTransfer:
         if self.stream is None:
             src = torch.tensor(sources, dtype=torch.int64)
             dst = torch.tensor(targets, dtype=torch.int64)
-            for device_pair, cpu_pair in zip(self.device_caches, self.cpu_caches):
-                for device_cache, cpu_cache in zip(device_pair, cpu_pair):
-                    source, target = (device_cache, cpu_cache) if to_cpu else (cpu_cache, device_cache)
-                    target.index_copy_(0, dst, source.index_select(0, src))
+            for device_tensor, cpu_tensor in self.pairs:
+                source, target = (device_tensor, cpu_tensor) if to_cpu else (cpu_tensor, device_tensor)
+                target.index_copy_(0, dst, source.index_select(0, src))
             return
-        # CUDA: one asynchronous copy per block (each block is contiguous in its layer).
-        for device_pair, cpu_pair in zip(self.device_caches, self.cpu_caches):
-            for device_cache, cpu_cache in zip(device_pair, cpu_pair):
-                source, target = (device_cache, cpu_cache) if to_cpu else (cpu_cache, device_cache)
-                for s, t in zip(sources, targets):
-                    target[t].copy_(source[s], non_blocking=True)
+        # CUDA: one asynchronous copy per block (each block is contiguous in its tensor).
+        for device_tensor, cpu_tensor in self.pairs:
+            source, target = (device_tensor, cpu_tensor) if to_cpu else (cpu_tensor, device_tensor)
+            for s, t in zip(sources, targets):
+                target[t].copy_(source[s], non_blocking=True)

@@ -44,12 +44,11 @@ def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: fl
 
 @torch.inference_mode()
 def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens: int, block_size: int,
-                            dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> int:
+                            kv_dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> int:
     """Peak CUDA memory of one forward over ``num_tokens`` (the largest step), above
     what was allocated before it, not counting the scratch KV cache it writes."""
     num_blocks = -(-num_tokens // block_size)
-    scratch = allocate_kv_tensors(spec, num_blocks, block_size, dtype, device)
-    scratch_bytes = sum(t.numel() * t.element_size() for pair in scratch for t in pair)
+    scratch = allocate_kv_tensors(spec, num_blocks, block_size, kv_dtype, device)
     request = Request("profile", [0] * num_tokens, SamplingParams(), frozenset())
     request.block_table = list(range(num_blocks))
     batch = ScheduledBatch()
@@ -69,7 +68,7 @@ def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens:
     return max(0, peak)
 
 
-def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, dtype: torch.dtype,
+def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
                   device: torch.device, max_model_len: int) -> int:
     """The device pool's size in bytes from the engine options (see the module doc)."""
     if config.kv_cache_memory is not None:
@@ -77,7 +76,7 @@ def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec,
     if device.type != "cuda":
         return CPU_DEFAULT_KV_MEMORY
     step_tokens = min(config.max_num_batched_tokens, max_model_len)
-    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, dtype, device, config.max_num_seqs)
+    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization)
     log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations; "

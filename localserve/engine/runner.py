@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import AttentionMetadata
+from ..kernels import AttentionMetadata, KVCache
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingRow
 from .scheduler import ScheduledBatch
@@ -68,7 +68,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
     ) -> None:
