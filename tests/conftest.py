@@ -4,6 +4,7 @@ our model on them directly (all-position logits) for comparison with transformer
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,7 +95,8 @@ class TinyModels:
             config = _configs()[kind]()
             config._attn_implementation = "eager"
             model = AutoModelForCausalLM.from_config(config)
-            reinitialise(model, seed=hash(kind) % 1000)
+            # crc32, not hash(): str hashes change from one process to the next.
+            reinitialise(model, seed=zlib.crc32(kind.encode()) % 1000)
             path = self.root / f"{kind}-{str(save_dtype).split('.')[-1]}-{shard_size}"
             model.to(save_dtype).save_pretrained(path, **({"max_shard_size": shard_size} if shard_size else {}))
             # The reference is the saved weights, in fp32.
