@@ -5,12 +5,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from . import __version__
 from .engine.config import KV_CACHE_DTYPES, EngineConfig
 from .errors import LocalserveError
+
+if TYPE_CHECKING:
+    from .planner import FitPlan
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -108,6 +113,66 @@ def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: flo
         sys.stdout.write("\n")
     except LocalserveError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True))
+@click.option("--gpu-memory", type=ByteSize(), default=None,
+              help="The GPU's memory (e.g. 24GiB); default: this machine's first GPU.")
+@click.option("--dtype", default=None, help="Dtype of unquantized weights; default as the engine picks on CUDA.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@engine_options
+def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **options: object) -> None:
+    """Whether MODEL fits a GPU and how many sequences it serves at once, from the
+    model's metadata alone (no weights are loaded). The context planned for is
+    --max-model-len (default: the model's); --cpu-offload-gb adds the sequences the
+    CPU tier can hold."""
+    import json
+
+    import torch
+
+    from .planner import describe, plan
+
+    if gpu_memory is None:
+        if not torch.cuda.is_available():
+            raise click.UsageError("no GPU here: give the GPU's memory with --gpu-memory (e.g. 24GiB)")
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    try:
+        result = plan(model, gpu_memory, engine_config(options), dtype)
+    except LocalserveError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(plan_summary(result), indent=2))
+        return
+    lines = describe(result, Path(model).name)
+    width = max(len(label) for label, _ in lines)
+    for label, text in lines:
+        click.echo(f"{label:<{width}}  {text}")
+
+
+def plan_summary(result: FitPlan) -> dict[str, object]:
+    return {
+        "architecture": result.spec.architecture,
+        "parameters": result.weights.parameters,
+        "active_parameters": result.active_parameters,
+        "weights_file_bytes": result.weights.file_bytes,
+        "weights_loaded_bytes": result.weights.loaded_bytes,
+        "dtype": str(result.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(result.kv_dtype).removeprefix("torch."),
+        "kv_bytes_per_token": result.kv_bytes_per_token,
+        "context": result.context,
+        "gpu_memory": result.gpu_memory,
+        "usable_bytes": result.usable,
+        "activation_bytes_estimate": result.activation_bytes,
+        "cuda_overhead_bytes_estimate": result.overhead_bytes,
+        "kv_cache_bytes": max(0, result.kv_budget),
+        "kv_blocks": result.kv_blocks,
+        "fits": result.fits,
+        "max_sequences": result.max_sequences,
+        "largest_context": result.largest_context,
+        "cpu_blocks": result.cpu_blocks,
+        "cpu_sequences": result.cpu_sequences,
+    }
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ def build(
 ) -> LlamaForCausalLM:
     """Lay out the model for ``spec`` on ``device`` and fill it from named weights
     (dense tensors, or QuantWeights that stay quantized)."""
+    if spec.num_experts:
+        raise LocalserveError(f"mixture-of-experts models ({spec.architecture}) cannot run yet; "
+                              "`localserve fit` can plan their memory")
     if spec.architecture not in ("llama", "qwen2", "qwen3"):
         raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):

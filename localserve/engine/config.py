@@ -44,11 +44,13 @@ class EngineConfig:
             if not ok:
                 raise LocalserveError(f"invalid engine option: {message}")
 
-    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-        """The cache's torch dtype on ``device`` for a model computing in ``model_dtype``."""
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+        """The cache's torch dtype for a model computing in ``model_dtype``; with a
+        ``device``, checked to be one it can use."""
         dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
         # Triton converts to float8 e4m3 only on compute capability 8.9+ (Ada, Hopper).
-        if dtype == torch.float8_e4m3fn and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        if (dtype == torch.float8_e4m3fn and device is not None and device.type == "cuda"
+                and torch.cuda.get_device_capability(device) < (8, 9)):
             raise LocalserveError("kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
                                   "use int8")
         return dtype

@@ -17,7 +17,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors, kv_bytes_per_block
 from .kv_transfer import KVTransfer
-from .memory import kv_pool_bytes
+from .memory import context_limit, kv_pool_bytes
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -80,7 +80,7 @@ class Engine:
         block_size = self.config.block_size
         self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
         block_bytes = kv_bytes_per_block(spec, block_size, self.kv_dtype)
-        context = self._context_limit()
+        context = context_limit(spec, self.config.max_model_len)
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context)
         num_blocks = self.config.num_kv_blocks or max(
             1, kv_pool_bytes(self.config, self.model, spec, self.kv_dtype, self.device, context) // block_bytes
@@ -113,18 +113,6 @@ class Engine:
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
         self.num_finished_requests = 0
-
-    def _context_limit(self) -> int:
-        """The longest context asked for (``max_model_len``) or the model's own."""
-        limit = self.spec.max_position_embeddings
-        if self.spec.sliding_window:
-            # Attention here is full, not windowed: past the window it would differ from
-            # the model's own, so the context stops there.
-            limit = min(limit, self.spec.sliding_window)
-        wanted = self.config.max_model_len or limit
-        if wanted > limit:
-            raise LocalserveError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens")
-        return wanted
 
     def _cap_to_pool(self, wanted: int, pool_tokens: int) -> int:
         if wanted > pool_tokens:

@@ -27,6 +27,41 @@ GiB = 1 << 30
 CPU_DEFAULT_KV_MEMORY = 2 * GiB
 
 
+# What the CUDA context, cuBLAS workspaces and allocator slack take besides tensors: an
+# estimate for planning only (the engine measures the real figure).
+CUDA_OVERHEAD_ESTIMATE = 512 << 20
+
+
+def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:
+    """The longest context asked for (``max_model_len``) or the model's own."""
+    limit = spec.max_position_embeddings
+    if spec.sliding_window:
+        # Attention here is full, not windowed: past the window it would differ from
+        # the model's own, so the context stops there.
+        limit = min(limit, spec.sliding_window)
+    wanted = max_model_len or limit
+    if wanted > limit:
+        raise LocalserveError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens")
+    return wanted
+
+
+def estimate_activation_peak(spec: ModelSpec, num_tokens: int, max_num_seqs: int, dtype: torch.dtype) -> int:
+    """Peak bytes of one step's activations, estimated from the shapes (for planning
+    without a GPU; the engine profiles a real step instead): per token the residual
+    stream and its three transforms, the fused QKV and the widest MLP (gate and up,
+    then their product; the chosen experts' for MoE), and fp32 logits plus their
+    softmax for the rows that sample."""
+    item = torch.empty((), dtype=dtype).element_size()
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    if spec.num_experts:
+        mlp = spec.num_experts_per_tok * spec.moe_intermediate_size + spec.shared_expert_intermediate_size
+    else:
+        mlp = spec.intermediate_size
+    per_token = (4 * spec.hidden_size + qkv + 3 * mlp) * item
+    logits = min(max_num_seqs, num_tokens) * spec.vocab_size * 4 * 2
+    return num_tokens * per_token + logits
+
+
 def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: float, reserve: int = 0) -> int:
     """Bytes for the KV pool: the utilization share of ``total``, less what is in use
     now (``total - free``: weights, other processes, the CUDA context), the peak

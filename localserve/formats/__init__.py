@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +16,21 @@ from ..gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..kernels.quant_linear import QuantWeight
 from ..tokenizer import Tokenizer
 from . import hf
-from .gguf import chat_template_from_gguf, iter_gguf_weights, spec_from_gguf
+from .gguf import ROPE_FREQS, chat_template_from_gguf, iter_gguf_weights, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
+from .gguf_quants import loaded_nbytes
 from .hf_quant import QuantConfig, convert_quantized, quant_config_from
 from .spec import ModelSpec, RopeSpec
 
 NamedWeight = tuple[str, torch.Tensor | QuantWeight]
+
+
+@dataclass(slots=True, frozen=True)
+class TensorSize:
+    name: str  # as in the file
+    parameters: int  # model weights it holds (0 for quantization metadata)
+    file_bytes: int
+    loaded_bytes: int  # once loaded by localserve
 
 
 @dataclass(slots=True)
@@ -38,6 +48,34 @@ class Checkpoint:
             return iter_gguf_weights(self.gguf, self.spec)
         tensors = hf.iter_tensors(self.files)
         return convert_quantized(tensors, self.quant) if self.quant else tensors
+
+    def tensor_sizes(self, dtype: torch.dtype) -> Iterator[TensorSize]:
+        """Every tensor's parameters and bytes, from the file headers alone (no weights
+        are read); ``loaded_bytes`` assumes unquantized tensors become ``dtype``."""
+        item_bytes = torch.empty((), dtype=dtype).element_size()
+        if self.gguf is not None:
+            for info in self.gguf.tensors.values():
+                if info.name == ROPE_FREQS:
+                    continue
+                loaded = loaded_nbytes(info.name, info.ggml_type, info.shape, item_bytes)
+                yield TensorSize(info.name, info.n_elements, self.gguf.tensor_nbytes(info.name), loaded)
+            return
+        for name, shape, stored in hf.tensor_headers(self.files):
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # the embeddings serve as the head
+            if stored not in hf.SAFETENSORS_ITEM_BYTES:
+                raise LocalserveError(f"tensor {name!r} has safetensors dtype {stored}, which localserve cannot load")
+            numel = math.prod(shape)
+            file_bytes = numel * hf.SAFETENSORS_ITEM_BYTES[stored]
+            floating = stored.startswith(("F", "BF"))
+            # GPTQ/AWQ integer tensors keep their size (codes stay packed); a qweight
+            # word holds 32 / bits weights, qzeros/g_idx hold none.
+            parameters = numel if floating else 0
+            if self.quant is not None and name.endswith(".qweight"):
+                parameters = numel * 32 // self.quant.bits
+            if self.quant is not None and name.endswith(".scales"):
+                parameters = 0
+            yield TensorSize(name, parameters, file_bytes, numel * item_bytes if floating else file_bytes)
 
     def tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer, or None when it ships none."""
@@ -84,4 +122,4 @@ def _merge_generation_eos(path: Path, spec: ModelSpec) -> None:
             spec.eos_token_ids.append(token)
 
 
-__all__ = ["Checkpoint", "ModelSpec", "RopeSpec", "open_checkpoint"]
+__all__ = ["Checkpoint", "ModelSpec", "RopeSpec", "TensorSize", "open_checkpoint"]

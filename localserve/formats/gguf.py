@@ -21,7 +21,8 @@ from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight
 from .spec import ModelSpec, RopeSpec
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# GGUF architecture -> ours; Mixtral is arch llama with experts.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -84,8 +85,9 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     md = _Metadata(gguf, arch)
-    if md.get("expert_count", int, 0):
-        raise LocalserveError(f"{gguf.path}: mixture-of-experts GGUF models are not supported yet")
+    num_experts = md.get("expert_count", int, 0)
+    # MoE files may omit the dense width; Mixtral's experts are feed_forward_length wide.
+    intermediate = md.get("feed_forward_length", int, 0 if num_experts else ...)
     hidden = md.get("embedding_length", int)
     heads = md.get("attention.head_count", int)
     if not hidden or not heads:
@@ -101,10 +103,10 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise LocalserveError(f"{gguf.path}: {len(tokens)} tokens but {vocab} embedding rows")
     eos = [md.get(k, int, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     spec = ModelSpec(
-        architecture=arch,
+        architecture="mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=md.get("feed_forward_length", int),
+        intermediate_size=intermediate,
         num_layers=md.get("block_count", int),
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -117,6 +119,10 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id", int, None),
         eos_token_ids=list(dict.fromkeys(e for e in eos if e is not None)),
+        num_experts=num_experts,
+        num_experts_per_tok=md.get("expert_used_count", int, 0),
+        moe_intermediate_size=md.get("expert_feed_forward_length", int, intermediate if num_experts else 0),
+        shared_expert_intermediate_size=md.get("expert_shared_feed_forward_length", int, 0),
     )
     if spec.num_heads % spec.num_kv_heads:
         raise LocalserveError(f"{gguf.path}: head_count must be a multiple of head_count_kv")

@@ -331,6 +331,21 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
                        groups_per_super=bt.block_elements // bt.group_size if bt.two_level else 1)
 
 
+def loaded_nbytes(name: str, ggml_type: int, shape: tuple[int, ...], dense_item_bytes: int) -> int:
+    """Bytes a tensor of this type and shape takes once loaded, read from nothing but its
+    type and shape: dense types at ``dense_item_bytes`` per element (the model dtype),
+    block types as the QuantWeight that one all-zero row decodes to, times the rows
+    (every QuantWeight field has one row per output)."""
+    rows, width = _rows_and_width(name, tuple(shape))
+    if ggml_type in _DENSE:
+        return rows * width * dense_item_bytes
+    bt = _BLOCK_TYPES.get(ggml_type)
+    if bt is None or width % bt.block_elements:
+        return gguf_to_weight(name, np.zeros(0, np.uint8), ggml_type, shape).nbytes  # raises the loader's error
+    zero_row = np.zeros(width // bt.block_elements * bt.block_bytes, np.uint8)
+    return rows * _quantized(name, zero_row, ggml_type, (1, width)).nbytes
+
+
 def gguf_to_weight(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | QuantWeight:
     """One GGUF tensor as a dense tensor (F32/F16/BF16, in ``shape``) or a ``QuantWeight``.
 

@@ -23,6 +23,9 @@ _ARCHITECTURES = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
 }
 
 _MAX_SHARDS = 4096
@@ -64,12 +67,13 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
             rope=_rope_from_config(config),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "qwen2" or bool(config.get("attention_bias", False)),
-            qk_norm=architecture == "qwen3",
+            attention_bias=architecture in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+            qk_norm=architecture in ("qwen3", "qwen3_moe"),
             sliding_window=_sliding_window(config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=config.get("dtype") or config.get("torch_dtype"),
+            **_moe_fields(architecture, config),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise LocalserveError(f"config.json: missing or malformed field ({exc})") from exc
@@ -78,9 +82,20 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     return spec
 
 
+def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, int]:
+    if architecture == "mixtral":  # experts as wide as intermediate_size
+        return dict(num_experts=int(config["num_local_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["intermediate_size"]))
+    if architecture in ("qwen2_moe", "qwen3_moe"):
+        return dict(num_experts=int(config["num_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["moe_intermediate_size"]),
+                    shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0))
+    return {}
+
+
 def _sliding_window(config: dict[str, Any]) -> int | None:
     # Qwen2 ships a sliding_window value but only uses it when use_sliding_window is set.
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not config.get("use_sliding_window", False):
         return None
     window = config.get("sliding_window")
     return int(window) if window else None
@@ -156,5 +171,23 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                         raise LocalserveError(f"{path}: tensor {name} appears in two shards")
                     seen.add(name)
                     yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc
+
+
+# safetensors dtype names -> bytes per element.
+SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+                          "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def tensor_headers(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype name) of every tensor, from the file headers
+    alone: no tensor data is read."""
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    yield name, tuple(view.get_shape()), view.get_dtype()
         except SafetensorError as exc:
             raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc

@@ -29,7 +29,7 @@ class RopeSpec:
 class ModelSpec:
     """What models.build needs to lay out a decoder-only transformer."""
 
-    architecture: str  # "llama" (Llama, Mistral), "qwen2", "qwen3"
+    architecture: str  # "llama" (Llama, Mistral), "qwen2", "qwen3"; MoE: "mixtral", "qwen2_moe", "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,4 +47,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # the checkpoint's own dtype name, e.g. "bfloat16"
+    # Mixture of experts (num_experts 0: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-active expert
     extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,178 @@
+"""Will a model fit? Memory planning from a checkpoint's metadata alone (``localserve fit``).
+
+Nothing is loaded: the spec comes from config.json or the GGUF header, and each
+tensor's size from the safetensors headers or the GGUF tensor directory. The plan
+follows the engine's own rules (``engine/memory.py``): the KV pool gets
+``gpu_memory_utilization`` of the GPU less the weights, one step's activations and
+the CUDA overhead, and a sequence of ``context`` tokens needs whole blocks. Where
+the engine measures (activations, CUDA overhead) the plan estimates, and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine.config import EngineConfig
+from .engine.engine import pick_dtype
+from .engine.kv_cache import kv_bytes_per_block
+from .engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak
+from .formats import Checkpoint, ModelSpec, open_checkpoint
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True, frozen=True)
+class WeightSizes:
+    parameters: int  # all of them, every expert counted
+    expert_parameters: int  # those in expert MLPs (0 for a dense model)
+    file_bytes: int
+    loaded_bytes: int  # as localserve holds them (see Checkpoint.tensor_sizes)
+
+
+@dataclass(slots=True, frozen=True)
+class FitPlan:
+    spec: ModelSpec
+    weights: WeightSizes
+    dtype: torch.dtype  # unquantized weights and activations
+    kv_dtype: torch.dtype
+    kv_bytes_per_token: int
+    block_size: int
+    context: int  # tokens per sequence planned for
+    gpu_memory: int
+    usable: int  # gpu_memory x gpu_memory_utilization
+    activation_bytes: int  # estimated
+    overhead_bytes: int  # CUDA context etc., estimated
+    kv_budget: int  # bytes for the KV pool (may be negative: the weights alone do not fit)
+    kv_blocks: int
+    cpu_blocks: int
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token runs through: all but the experts its router skips."""
+        spec = self.spec
+        if not spec.num_experts:
+            return self.weights.parameters
+        skipped = self.weights.expert_parameters * (spec.num_experts - spec.num_experts_per_tok) // spec.num_experts
+        return self.weights.parameters - skipped
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.context // self.block_size)
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences of the full context that the device pool holds at once."""
+        return self.kv_blocks // self.blocks_per_sequence
+
+    @property
+    def cpu_sequences(self) -> int:
+        """Further full-context sequences the CPU tier can hold while swapped out."""
+        return self.cpu_blocks // self.blocks_per_sequence
+
+    @property
+    def largest_context(self) -> int:
+        """The longest single sequence the device pool holds."""
+        return self.kv_blocks * self.block_size
+
+    @property
+    def fits(self) -> bool:
+        return self.max_sequences >= 1
+
+
+def weight_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightSizes:
+    parameters = expert_parameters = file_bytes = loaded_bytes = 0
+    for tensor in checkpoint.tensor_sizes(dtype):
+        parameters += tensor.parameters
+        # HF: ...mlp.experts.7.down_proj / ...block_sparse_moe.experts.7.w2; GGUF: blk.N.ffn_down_exps.
+        if ".experts." in tensor.name or "_exps." in tensor.name:
+            expert_parameters += tensor.parameters
+        file_bytes += tensor.file_bytes
+        loaded_bytes += tensor.loaded_bytes
+    return WeightSizes(parameters, expert_parameters, file_bytes, loaded_bytes)
+
+
+def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
+         dtype: str | torch.dtype | None = None) -> FitPlan:
+    """The plan for serving the checkpoint at ``path`` on a GPU of ``gpu_memory`` bytes
+    with these engine options (``max_model_len`` is the context planned for)."""
+    config = config or EngineConfig()
+    checkpoint = open_checkpoint(path)
+    spec = checkpoint.spec
+    model_dtype = pick_dtype(dtype, spec.torch_dtype, torch.device("cuda"))
+    weights = weight_sizes(checkpoint, model_dtype)
+    # No device: whether fp8 runs depends on the GPU planned for, not on this host's.
+    kv_dtype = config.resolve_kv_cache_dtype(model_dtype)
+    block_bytes = kv_bytes_per_block(spec, config.block_size, kv_dtype)
+    context = context_limit(spec, config.max_model_len)
+    step_tokens = min(config.max_num_batched_tokens, context)
+    activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
+    usable = int(gpu_memory * config.gpu_memory_utilization)
+    if config.kv_cache_memory is not None:
+        kv_budget = config.kv_cache_memory
+    else:
+        kv_budget = usable - weights.loaded_bytes - activations - CUDA_OVERHEAD_ESTIMATE
+    cpu_blocks = config.num_cpu_blocks
+    if cpu_blocks is None:
+        cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
+    return FitPlan(
+        spec=spec, weights=weights, dtype=model_dtype, kv_dtype=kv_dtype,
+        kv_bytes_per_token=block_bytes // config.block_size, block_size=config.block_size, context=context,
+        gpu_memory=gpu_memory, usable=usable, activation_bytes=activations, overhead_bytes=CUDA_OVERHEAD_ESTIMATE,
+        kv_budget=kv_budget, kv_blocks=max(0, kv_budget) // block_bytes, cpu_blocks=cpu_blocks,
+    )
+
+
+def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
+    """The plan as (label, text) lines for people."""
+    spec, weights = plan.spec, plan.weights
+    gib = human_bytes
+
+    def dtype_name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    parameters = human_count(weights.parameters)
+    if spec.num_experts:
+        parameters += (f" ({spec.num_experts} experts, {spec.num_experts_per_tok} per token: "
+                       f"{human_count(plan.active_parameters)} active)")
+    lines = [
+        ("model", f"{name} ({spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads, "
+                  f"{spec.num_kv_heads} KV heads of {spec.head_dim})"),
+        ("parameters", parameters),
+        ("weights", f"{gib(weights.loaded_bytes)} loaded ({gib(weights.file_bytes)} in the file; "
+                    f"unquantized tensors as {dtype_name(plan.dtype)})"),
+        ("KV cache", f"{human_bytes(plan.kv_bytes_per_token)} per token ({dtype_name(plan.kv_dtype)}), "
+                     f"{gib(plan.kv_bytes_per_token * plan.context)} per {plan.context:,}-token sequence"),
+        ("GPU memory", f"{gib(plan.usable)} usable ({gib(plan.gpu_memory)} x {plan.usable / plan.gpu_memory:.2f}): "
+                       f"weights {gib(weights.loaded_bytes)}, activations ~{gib(plan.activation_bytes)}, "
+                       f"CUDA ~{gib(plan.overhead_bytes)}, KV cache {gib(max(0, plan.kv_budget))}"),
+    ]
+    if plan.fits:
+        lines.append(("fits", f"yes: {plan.max_sequences:,} sequences of {plan.context:,} tokens at once "
+                              f"({plan.kv_blocks * plan.block_size:,} tokens of KV cache)"))
+    elif plan.kv_budget <= 0:
+        lines.append(("fits", f"no: weights, activations and CUDA overhead alone need "
+                              f"{gib(plan.usable - plan.kv_budget)} of the {gib(plan.usable)} usable"))
+    else:
+        lines.append(("fits", f"no: the KV cache holds {plan.largest_context:,} tokens, less than one "
+                              f"{plan.context:,}-token sequence; lower max_model_len or use kv_cache_dtype int8"))
+    if plan.cpu_blocks:
+        lines.append(("CPU offload", f"{plan.cpu_sequences:,} more sequences held in host memory while swapped out "
+                                     f"({plan.cpu_blocks * plan.block_size:,} tokens)"))
+    return lines
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)

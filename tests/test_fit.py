@@ -1,0 +1,239 @@
+"""`localserve fit`: memory plans from metadata alone, checked against hand computations
+for two real shapes: Llama-3.1-8B (dense, GQA) as bf16 safetensors and Mixtral-8x7B
+(MoE) as a Q4_K_M-style GGUF. The checkpoints are real headers over sparse files: the
+tensor data is never written, so a 16 GB model costs nothing on disk, and any attempt
+to load weights would read zeros rather than fail, so the sizes must come from headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from localserve import EngineConfig
+from localserve.cli import main
+from localserve.planner import plan
+
+from .conftest import SHARED
+
+GiB = 1 << 30
+
+LLAMA_8B = dict(vocab=128256, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, head_dim=128, context=131072)
+MIXTRAL = dict(vocab=32000, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, head_dim=128, context=32768,
+               experts=8, top_k=2)
+
+
+def sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], int]]) -> None:
+    """A safetensors file whose header lists ``tensors`` (name: dtype, shape, item
+    bytes) and whose data region is a hole."""
+    header, offset = {}, 0
+    for name, (dtype, shape, item) in tensors.items():
+        size = item
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)) + raw)
+    os.truncate(path, 8 + len(raw) + offset)
+
+
+def llama_8b(folder: Path) -> Path:
+    s = LLAMA_8B
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": s["vocab"], "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
+        "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+        "max_position_embeddings": s["context"], "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192},
+        "rope_theta": 500000.0, "tie_word_embeddings": False,
+    }))
+    hidden, kv = s["hidden"], s["kv_heads"] * s["head_dim"]
+    tensors = {"model.embed_tokens.weight": (s["vocab"], hidden), "lm_head.weight": (s["vocab"], hidden),
+               "model.norm.weight": (hidden,)}
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                    p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
+                    p + "mlp.gate_proj.weight": (s["ffn"], hidden), p + "mlp.up_proj.weight": (s["ffn"], hidden),
+                    p + "mlp.down_proj.weight": (hidden, s["ffn"]), p + "input_layernorm.weight": (hidden,),
+                    p + "post_attention_layernorm.weight": (hidden,)}
+    # Two shards and an index, as published checkpoints come.
+    names = list(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, members in shards.items():
+        sparse_safetensors(folder / shard, {n: ("BF16", tensors[n], 2) for n in members})
+    index = {"weight_map": {n: shard for shard, members in shards.items() for n in members}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def mixtral_gguf(path: Path) -> Path:
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    s = MIXTRAL
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(s["context"])
+    writer.add_embedding_length(s["hidden"])
+    writer.add_block_count(s["layers"])
+    writer.add_feed_forward_length(s["ffn"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_expert_count(s["experts"])
+    writer.add_expert_used_count(s["top_k"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    hidden, kv, ffn, experts = s["hidden"], s["kv_heads"] * s["head_dim"], s["ffn"], s["experts"]
+    # numpy order (outermost first); Q4_K everywhere but the output (Q6_K) and F32 vectors/router.
+    tensors = {"token_embd.weight": (Q.Q4_K, (s["vocab"], hidden)), "output.weight": (Q.Q6_K, (s["vocab"], hidden)),
+               "output_norm.weight": (Q.F32, (hidden,))}
+    for i in range(s["layers"]):
+        p = f"blk.{i}."
+        tensors |= {p + "attn_q.weight": (Q.Q4_K, (hidden, hidden)), p + "attn_k.weight": (Q.Q4_K, (kv, hidden)),
+                    p + "attn_v.weight": (Q.Q4_K, (kv, hidden)), p + "attn_output.weight": (Q.Q4_K, (hidden, hidden)),
+                    p + "ffn_gate_inp.weight": (Q.F32, (experts, hidden)),
+                    p + "ffn_gate_exps.weight": (Q.Q4_K, (experts, ffn, hidden)),
+                    p + "ffn_up_exps.weight": (Q.Q4_K, (experts, ffn, hidden)),
+                    p + "ffn_down_exps.weight": (Q.Q4_K, (experts, hidden, ffn)),
+                    p + "attn_norm.weight": (Q.F32, (hidden,)), p + "ffn_norm.weight": (Q.F32, (hidden,))}
+    data = 0
+    for name, (qtype, shape) in tensors.items():
+        elements_per_block, bytes_per_block = gguf.GGML_QUANT_SIZES[qtype]
+        count = 1
+        for dim in shape:
+            count *= dim
+        nbytes = count // elements_per_block * bytes_per_block
+        import numpy as np
+
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        data += gguf.GGUFWriter.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    size = path.stat().st_size
+    os.truncate(path, gguf.GGUFWriter.ggml_pad(size, writer.data_alignment) + data)
+    return path
+
+
+def test_llama_8b_plan_equals_hand_computation(tmp_path: Path) -> None:
+    s = LLAMA_8B
+    path = llama_8b(tmp_path / "llama-3.1-8b")
+    result = plan(path, 24 * GiB, EngineConfig(max_model_len=8192))
+
+    # Parameters: embeddings and head, then per layer attention (q, k, v, o), MLP, two norms.
+    hidden, kv = s["hidden"], s["kv_heads"] * s["head_dim"]
+    per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * s["ffn"] + 2 * hidden
+    parameters = 2 * s["vocab"] * hidden + s["layers"] * per_layer + hidden
+    assert parameters == 8_030_261_248  # the published 8.03 B
+    assert result.weights.parameters == result.active_parameters == parameters
+    assert result.weights.file_bytes == result.weights.loaded_bytes == 2 * parameters  # bf16 stays bf16
+
+    # KV: K and V, every layer, every KV head, bf16: the well-known 128 KiB per token.
+    assert result.kv_bytes_per_token == 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * 2 == 128 * 1024
+
+    # 24 GiB at 0.90 less weights, the activation estimate for a 2048-token step
+    # (per token: 4 x hidden + q/k/v + 3 x ffn, bf16; plus 64 rows of fp32 logits and
+    # softmax) and the 512 MiB CUDA allowance; whole 16-token blocks; 512 per sequence.
+    usable = int(24 * GiB * 0.90)
+    activations = 2048 * (4 * hidden + hidden + 2 * kv + 3 * s["ffn"]) * 2 + 64 * s["vocab"] * 4 * 2
+    kv_budget = usable - 2 * parameters - activations - 512 * (1 << 20)
+    blocks = kv_budget // (16 * 128 * 1024)
+    assert (result.activation_bytes, result.kv_budget, result.kv_blocks) == (activations, kv_budget, blocks)
+    assert result.max_sequences == blocks // 512 == 5 and result.fits
+
+    # int8 KV: 2 x (128 codes + a 4-byte scale) per KV head per layer.
+    int8 = plan(path, 24 * GiB, EngineConfig(max_model_len=8192, kv_cache_dtype="int8"))
+    assert int8.kv_bytes_per_token == 2 * s["layers"] * s["kv_heads"] * (s["head_dim"] + 4)
+    assert int8.max_sequences == kv_budget // (16 * int8.kv_bytes_per_token) // 512 == 11
+
+    # 8 GiB of CPU tier holds 8 GiB / 2 MiB blocks = 4096 blocks: 8 more sequences.
+    offload = plan(path, 24 * GiB, EngineConfig(max_model_len=8192, cpu_offload_gb=8))
+    assert (offload.cpu_blocks, offload.cpu_sequences) == (4096, 8)
+
+    # A 16 GiB GPU cannot hold 15 GiB of weights plus the rest.
+    small = plan(path, 16 * GiB, EngineConfig(max_model_len=8192))
+    assert not small.fits and small.kv_budget < 0
+
+
+def test_mixtral_gguf_plan_counts_every_expert(tmp_path: Path) -> None:
+    s = MIXTRAL
+    path = mixtral_gguf(tmp_path / "mixtral-8x7b-q4_k.gguf")
+    result = plan(path, 48 * GiB, EngineConfig(max_model_len=32768))
+    assert result.spec.architecture == "mixtral" and result.spec.num_experts == 8
+
+    hidden, kv, ffn = s["hidden"], s["kv_heads"] * s["head_dim"], s["ffn"]
+    attention = hidden * (2 * hidden + 2 * kv)
+    experts = s["experts"] * 3 * hidden * ffn
+    router, norms = s["experts"] * hidden, 2 * hidden
+    parameters = 2 * s["vocab"] * hidden + s["layers"] * (attention + experts + router + norms) + hidden
+    assert parameters == 46_702_792_704  # the published 46.7 B
+    assert result.weights.parameters == parameters
+    # A token runs through 2 of 8 experts: the published 12.9 B active.
+    active = parameters - s["layers"] * experts * 6 // 8
+    assert result.active_parameters == active == 12_879_925_248
+
+    # File: Q4_K 144 bytes per 256 weights, Q6_K 210, F32 4 per weight.
+    q4k = s["layers"] * (attention + experts) + s["vocab"] * hidden
+    q6k = s["vocab"] * hidden
+    f32 = s["layers"] * (router + norms) + hidden
+    assert result.weights.file_bytes == q4k // 256 * 144 + q6k // 256 * 210 + f32 * 4
+    # Loaded: Q4_K as 4-bit codes (128 B) + 8 groups x (uint8 scale + uint8 min) + fp16 d
+    # and dmin = 148 B per 256; Q6_K as a byte per code (256) + 16 groups x (int8
+    # scale + uint8 zero) + fp16 d = 290 B; F32 tensors become bf16.
+    assert result.weights.loaded_bytes == q4k // 256 * 148 + q6k // 256 * 290 + f32 * 2
+
+    assert result.kv_bytes_per_token == 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * 2
+    activations = 2048 * (4 * hidden + hidden + 2 * kv + 3 * 2 * ffn) * 2 + 64 * s["vocab"] * 4 * 2
+    kv_budget = int(48 * GiB * 0.90) - result.weights.loaded_bytes - activations - 512 * (1 << 20)
+    assert result.kv_budget == kv_budget
+    assert result.max_sequences == kv_budget // (16 * 128 * 1024) // (32768 // 16) == 4
+
+
+def test_fit_cli_prints_the_plan(tmp_path: Path) -> None:
+    path = mixtral_gguf(tmp_path / "mixtral.gguf")
+    runner = CliRunner()
+    result = runner.invoke(main, ["fit", str(path), "--gpu-memory", "48GiB", "--max-model-len", "32768",
+                                  "--cpu-offload-gb", "16"])
+    assert result.exit_code == 0, result.output
+    assert "8 experts, 2 per token: 12.88 B active" in result.output
+    assert "yes: 4 sequences of 32,768 tokens" in result.output
+    assert "4 more sequences held in host memory" in result.output  # 16 GiB / 4 GiB per sequence
+
+    as_json = runner.invoke(main, ["fit", str(path), "--gpu-memory", "24GiB", "--json"])
+    summary = json.loads(as_json.output)
+    assert summary["fits"] is False and summary["parameters"] == 46_702_792_704
+
+
+@pytest.mark.parametrize(("name", "tolerance"), [
+    ("stories260K-hf", 0), ("stories260K.gguf", 0),
+    # GPTQ/AWQ: zero points unpacked to a byte each, act-order's permutation as int64.
+    ("tiny-gptq-4bit-g32-actorder", 0.03), ("tiny-awq-4bit-g64", 0.03),
+])
+def test_planned_weights_equal_what_the_engine_holds(name: str, tolerance: float) -> None:
+    from localserve import Engine
+
+    path = SHARED / "models" / name
+    if not path.exists():
+        pytest.skip(f"../shared/models/{name} not present")
+    engine = Engine(path, EngineConfig(num_kv_blocks=4), device="cpu", dtype="bfloat16")
+    held = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + sum(
+        linear.nbytes for linear in engine.model.linears())
+    planned = plan(path, GiB, dtype="bfloat16").weights.loaded_bytes
+    assert planned == pytest.approx(held, rel=tolerance, abs=0)
+
+
+def test_fit_errors_are_clear(tmp_path: Path) -> None:
+    runner = CliRunner()
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt-neox"}')
+    result = runner.invoke(main, ["fit", str(folder), "--gpu-memory", "8GiB"])
+    assert result.exit_code == 1 and "not supported" in result.output and "Traceback" not in result.output
