@@ -237,3 +237,33 @@ def test_fit_errors_are_clear(tmp_path: Path) -> None:
     (folder / "config.json").write_text('{"model_type": "gpt-neox"}')
     result = runner.invoke(main, ["fit", str(folder), "--gpu-memory", "8GiB"])
     assert result.exit_code == 1 and "not supported" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_hf_moe_checkpoints_are_planned(tmp_path: Path, kind: str) -> None:
+    """Tiny MoE checkpoints saved by transformers: every parameter counted once, the
+    experts' told apart (a shared expert is always active), KV from the config."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False)
+    config = {
+        "mixtral": lambda: MixtralConfig(**common, intermediate_size=96, num_local_experts=4),
+        "qwen2_moe": lambda: Qwen2MoeConfig(**common, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                            num_experts=4, intermediate_size=96),
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common, moe_intermediate_size=48, num_experts=4, intermediate_size=96,
+                                            head_dim=32),
+    }[kind]()
+    model = AutoModelForCausalLM.from_config(config)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / kind)
+
+    result = plan(tmp_path / kind, GiB)
+    spec = result.spec
+    assert (spec.architecture, spec.num_experts, spec.num_experts_per_tok) == (kind, 4, 2)
+    parameters = {name: p.numel() for name, p in model.named_parameters()}
+    experts = sum(n for name, n in parameters.items() if ".experts." in name)  # not Qwen2's shared_expert
+    assert result.weights.parameters == sum(parameters.values())
+    assert result.active_parameters == sum(parameters.values()) - experts // 2
+    assert result.weights.loaded_bytes == 2 * sum(parameters.values())
+    assert result.kv_bytes_per_token == 2 * 2 * 2 * spec.head_dim * 2

@@ -83,14 +83,15 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
 
 
 def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, int]:
-    if architecture == "mixtral":  # experts as wide as intermediate_size
-        return dict(num_experts=int(config["num_local_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
-                    moe_intermediate_size=int(config["intermediate_size"]))
-    if architecture in ("qwen2_moe", "qwen3_moe"):
-        return dict(num_experts=int(config["num_experts"]), num_experts_per_tok=int(config["num_experts_per_tok"]),
-                    moe_intermediate_size=int(config["moe_intermediate_size"]),
-                    shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0))
-    return {}
+    if architecture not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    # The hub's Qwen MoE files say num_experts; Mixtral and transformers 5 num_local_experts.
+    num_experts = config.get("num_experts") or config["num_local_experts"]
+    # Mixtral's experts are intermediate_size wide; Qwen's have their own width.
+    width = config["intermediate_size"] if architecture == "mixtral" else config["moe_intermediate_size"]
+    return dict(num_experts=int(num_experts), num_experts_per_tok=int(config["num_experts_per_tok"]),
+                moe_intermediate_size=int(width),
+                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0))
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:
