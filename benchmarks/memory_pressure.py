@@ -6,7 +6,9 @@
 2. time to first token for a request whose 1,000-token system prompt is not cached, and
    for the next request with the same system prompt (a prefix-cache hit).
 
-    python benchmarks/memory_pressure.py [--requests 32] [--hidden 512] [--layers 8]
+    python benchmarks/memory_pressure.py [--requests 32] [--hidden 512] [--layers 8] [--repeats 3]
+                                         [--prompt-len 32 320] [--output-len 32 160]
+                                         [--kv-cache-dtype auto|int8]
 
 Prints figures and ratios. Greedy outputs of the three throughput runs are compared.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,10 +36,11 @@ def build_checkpoint(path: Path, hidden: int, layers: int) -> None:
     )
 
 
-def mixed_workload(count: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def mixed_workload(count: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                   seed: int = 0) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(32, 320))] for _ in range(count)]
-    outputs = [rng.randint(32, 160) for _ in range(count)]
+    prompts = [[rng.randrange(3, 32000) for _ in range(rng.randint(*prompt_len))] for _ in range(count)]
+    outputs = [rng.randint(*output_len) for _ in range(count)]
     return prompts, outputs
 
 
@@ -69,12 +73,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--system-prompt", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 320), metavar=("SHORTEST", "LONGEST"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 160), metavar=("SHORTEST", "LONGEST"))
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
         build_checkpoint(path, args.hidden, args.layers)
-        prompts, output_lens = mixed_workload(args.requests)
+        prompts, output_lens = mixed_workload(args.requests, args.prompt_len, args.output_len)
         per_request = [-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(prompts, output_lens)]
         needed = sum(per_request)
         # A quarter of the need, but never less than the largest request alone needs.
@@ -87,12 +95,19 @@ def main() -> None:
             f"pool of {small} blocks + CPU tier (swap)": dict(num_kv_blocks=small, num_cpu_blocks=needed),
             f"pool of {small} blocks, no CPU tier (recompute)": dict(num_kv_blocks=small, num_cpu_blocks=0),
         }
+        rates: dict[str, list[float]] = {name: [] for name in runs}
         results = {}
-        for name, options in runs.items():
-            rate, tokens, stats = run_throughput(path, prompts, output_lens, enable_prefix_caching=False, **options)
-            results[name] = (rate, tokens)
-            print(f"  {name:48s} {rate:7.1f} tok/s  preemptions {stats['num_preemptions']}, "
-                  f"swapped out {stats['swap_out_blocks']} blocks, recomputes {stats['num_recomputes']}")
+        # Round-robin repeats, so a noisy moment hits every configuration alike; medians.
+        for _ in range(args.repeats):
+            for name, options in runs.items():
+                rate, tokens, stats = run_throughput(path, prompts, output_lens, enable_prefix_caching=False,
+                                                     kv_cache_dtype=args.kv_cache_dtype, **options)
+                rates[name].append(rate)
+                results[name] = (statistics.median(rates[name]), tokens)
+        for name, (rate, _) in results.items():
+            print(f"  {name:48s} {rate:7.1f} tok/s (median of {' '.join(f'{r:.1f}' for r in rates[name])})")
+        print(f"  (last run under pressure: {stats['num_preemptions']} preemptions, "
+              f"{stats['num_recomputes']} recomputes)")
         base_rate, base_tokens = next(iter(results.values()))
         (swap_rate, swap_tokens), (recompute_rate, recompute_tokens) = list(results.values())[1:]
         print(f"swap keeps {swap_rate / base_rate:.0%} of unconstrained throughput; recompute keeps "

@@ -1,7 +1,7 @@
 """Paged attention over a block-structured KV cache, for batches that mix prefill
 chunks and decode tokens.
 
-Cache layout (one pair per layer): ``k_cache``/``v_cache`` of shape
+Cache layout (a ``KVCache`` per layer): ``key``/``value`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``t`` of a sequence lives
 in block ``block_table[t // block_size]`` at offset ``t % block_size``; its *slot* is
 ``block * block_size + offset``.
