@@ -6,16 +6,12 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
 from . import __version__
 from .engine.config import KV_CACHE_DTYPES, EngineConfig
 from .errors import LocalserveError
-
-if TYPE_CHECKING:
-    from .planner import FitPlan
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -142,37 +138,12 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
     except LocalserveError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
-        click.echo(json.dumps(plan_summary(result), indent=2))
+        click.echo(json.dumps(result.summary(), indent=2))
         return
     lines = describe(result, Path(model).name)
     width = max(len(label) for label, _ in lines)
     for label, text in lines:
         click.echo(f"{label:<{width}}  {text}")
-
-
-def plan_summary(result: FitPlan) -> dict[str, object]:
-    return {
-        "architecture": result.spec.architecture,
-        "parameters": result.weights.parameters,
-        "active_parameters": result.active_parameters,
-        "weights_file_bytes": result.weights.file_bytes,
-        "weights_loaded_bytes": result.weights.loaded_bytes,
-        "dtype": str(result.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(result.kv_dtype).removeprefix("torch."),
-        "kv_bytes_per_token": result.kv_bytes_per_token,
-        "context": result.context,
-        "gpu_memory": result.gpu_memory,
-        "usable_bytes": result.usable,
-        "activation_bytes_estimate": result.activation_bytes,
-        "cuda_overhead_bytes_estimate": result.overhead_bytes,
-        "kv_cache_bytes": max(0, result.kv_budget),
-        "kv_blocks": result.kv_blocks,
-        "fits": result.fits,
-        "max_sequences": result.max_sequences,
-        "largest_context": result.largest_context,
-        "cpu_blocks": result.cpu_blocks,
-        "cpu_sequences": result.cpu_sequences,
-    }
 
 
 if __name__ == "__main__":

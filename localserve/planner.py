@@ -81,6 +81,31 @@ class FitPlan:
     def fits(self) -> bool:
         return self.max_sequences >= 1
 
+    def summary(self) -> dict[str, object]:
+        """The figures, for scripts (``localserve fit --json``)."""
+        return {
+            "architecture": self.spec.architecture,
+            "parameters": self.weights.parameters,
+            "active_parameters": self.active_parameters,
+            "weights_file_bytes": self.weights.file_bytes,
+            "weights_loaded_bytes": self.weights.loaded_bytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "context": self.context,
+            "gpu_memory": self.gpu_memory,
+            "usable_bytes": self.usable,
+            "activation_bytes_estimate": self.activation_bytes,
+            "cuda_overhead_bytes_estimate": self.overhead_bytes,
+            "kv_cache_bytes": max(0, self.kv_budget),
+            "kv_blocks": self.kv_blocks,
+            "fits": self.fits,
+            "max_sequences": self.max_sequences,
+            "largest_context": self.largest_context,
+            "cpu_blocks": self.cpu_blocks,
+            "cpu_sequences": self.cpu_sequences,
+        }
+
 
 def weight_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightSizes:
     parameters = expert_parameters = file_bytes = loaded_bytes = 0
@@ -128,7 +153,6 @@ def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
 def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
     """The plan as (label, text) lines for people."""
     spec, weights = plan.spec, plan.weights
-    gib = human_bytes
 
     def dtype_name(dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
@@ -141,20 +165,20 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
         ("model", f"{name} ({spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads, "
                   f"{spec.num_kv_heads} KV heads of {spec.head_dim})"),
         ("parameters", parameters),
-        ("weights", f"{gib(weights.loaded_bytes)} loaded ({gib(weights.file_bytes)} in the file; "
+        ("weights", f"{human_bytes(weights.loaded_bytes)} loaded ({human_bytes(weights.file_bytes)} in the file; "
                     f"unquantized tensors as {dtype_name(plan.dtype)})"),
         ("KV cache", f"{human_bytes(plan.kv_bytes_per_token)} per token ({dtype_name(plan.kv_dtype)}), "
-                     f"{gib(plan.kv_bytes_per_token * plan.context)} per {plan.context:,}-token sequence"),
-        ("GPU memory", f"{gib(plan.usable)} usable ({gib(plan.gpu_memory)} x {plan.usable / plan.gpu_memory:.2f}): "
-                       f"weights {gib(weights.loaded_bytes)}, activations ~{gib(plan.activation_bytes)}, "
-                       f"CUDA ~{gib(plan.overhead_bytes)}, KV cache {gib(max(0, plan.kv_budget))}"),
+                     f"{human_bytes(plan.kv_bytes_per_token * plan.context)} per {plan.context:,}-token sequence"),
+        ("GPU memory", f"{human_bytes(plan.usable)} usable ({human_bytes(plan.gpu_memory)} x {plan.usable / plan.gpu_memory:.2f}): "
+                       f"weights {human_bytes(weights.loaded_bytes)}, activations ~{human_bytes(plan.activation_bytes)}, "
+                       f"CUDA ~{human_bytes(plan.overhead_bytes)}, KV cache {human_bytes(max(0, plan.kv_budget))}"),
     ]
     if plan.fits:
         lines.append(("fits", f"yes: {plan.max_sequences:,} sequences of {plan.context:,} tokens at once "
                               f"({plan.kv_blocks * plan.block_size:,} tokens of KV cache)"))
     elif plan.kv_budget <= 0:
         lines.append(("fits", f"no: weights, activations and CUDA overhead alone need "
-                              f"{gib(plan.usable - plan.kv_budget)} of the {gib(plan.usable)} usable"))
+                              f"{human_bytes(plan.usable - plan.kv_budget)} of the {human_bytes(plan.usable)} usable"))
     else:
         lines.append(("fits", f"no: the KV cache holds {plan.largest_context:,} tokens, less than one "
                               f"{plan.context:,}-token sequence; lower max_model_len or use kv_cache_dtype int8"))

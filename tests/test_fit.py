@@ -77,6 +77,7 @@ def llama_8b(folder: Path) -> Path:
 
 def mixtral_gguf(path: Path) -> Path:
     import gguf
+    import numpy as np
 
     Q = gguf.GGMLQuantizationType
     s = MIXTRAL
@@ -110,8 +111,6 @@ def mixtral_gguf(path: Path) -> Path:
         for dim in shape:
             count *= dim
         nbytes = count // elements_per_block * bytes_per_block
-        import numpy as np
-
         writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
         data += gguf.GGUFWriter.ggml_pad(nbytes, writer.data_alignment)
     writer.write_header_to_file()

@@ -68,12 +68,13 @@ class Checkpoint:
             numel = math.prod(shape)
             file_bytes = numel * hf.SAFETENSORS_ITEM_BYTES[stored]
             floating = stored.startswith(("F", "BF"))
-            # GPTQ/AWQ integer tensors keep their size (codes stay packed); a qweight
-            # word holds 32 / bits weights, qzeros/g_idx hold none.
-            parameters = numel if floating else 0
+            # GPTQ/AWQ integer tensors keep their size (codes stay packed). A qweight word
+            # holds 32 / bits weights; scales, qzeros and g_idx are quantization metadata.
             if self.quant is not None and name.endswith(".qweight"):
                 parameters = numel * 32 // self.quant.bits
-            if self.quant is not None and name.endswith(".scales"):
+            elif floating and not (self.quant is not None and name.endswith(".scales")):
+                parameters = numel
+            else:
                 parameters = 0
             yield TensorSize(name, parameters, file_bytes, numel * item_bytes if floating else file_bytes)
 

@@ -340,8 +340,9 @@ def loaded_nbytes(name: str, ggml_type: int, shape: tuple[int, ...], dense_item_
     if ggml_type in _DENSE:
         return rows * width * dense_item_bytes
     bt = _BLOCK_TYPES.get(ggml_type)
-    if bt is None or width % bt.block_elements:
-        return gguf_to_weight(name, np.zeros(0, np.uint8), ggml_type, shape).nbytes  # raises the loader's error
+    if bt is None:
+        raise _unsupported_type(name, ggml_type)
+    # A width that is not whole blocks fails in _quantized with the loader's message.
     zero_row = np.zeros(width // bt.block_elements * bt.block_bytes, np.uint8)
     return rows * _quantized(name, zero_row, ggml_type, (1, width)).nbytes
 
@@ -362,8 +363,12 @@ def gguf_to_weight(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int,
         return _dense(name, raw, dense[0], dense[1], shape)
     if ggml_type in _BLOCK_TYPES:
         return _quantized(name, raw, ggml_type, shape)
+    raise _unsupported_type(name, ggml_type)
+
+
+def _unsupported_type(name: str, ggml_type: int) -> LocalserveError:
     supported = ", ".join(_type_name(t) for t in (*_DENSE, *_BLOCK_TYPES))
-    raise LocalserveError(
+    return LocalserveError(
         f"tensor {name!r} has GGUF type {_type_name(ggml_type)}, which localserve cannot load "
         f"(supported: {supported}); re-quantize the model to one of those types"
     )
