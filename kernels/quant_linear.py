@@ -87,6 +87,19 @@ class QuantWeight:
         per_row = {f: t.index_select(0, index) for f, t in self._tensors().items() if f != "perm"}
         return replace(self, **per_row)
 
+    def row_range(self, start: int, stop: int) -> QuantWeight:
+        """Output rows ``start:stop`` as views (one expert of a stack), no copy."""
+        per_row = {f: t[start:stop] for f, t in self._tensors().items() if f != "perm"}
+        return replace(self, **per_row)
+
+    def layout(self) -> tuple:
+        """Everything two QuantWeights must share for their rows to be concatenated."""
+        def dtype(t: torch.Tensor | None) -> torch.dtype | None:
+            return None if t is None else t.dtype
+
+        return (self.bits, self.group_size, self.groups_per_super, self.in_features, dtype(self.scales),
+                dtype(self.zeros), dtype(self.mins), dtype(self.super_scales), dtype(self.super_mins))
+
     def group_scales(self) -> torch.Tensor:
         """Each group's scale ``[N, groups]``: the stored scales, or the fp32 products of
         two-level scales."""
@@ -104,6 +117,20 @@ def _expand_two_level(outer: torch.Tensor | None, inner: torch.Tensor, groups_pe
     if outer is None:
         return inner
     return outer.float().repeat_interleave(groups_per_outer, dim=1) * inner.float()
+
+
+def concat_rows(weights: list[QuantWeight]) -> QuantWeight:
+    """One QuantWeight holding the rows of ``weights`` in order (same ``layout()``; the
+    input order ``perm`` is not concatenated, so it must be None or handled by the caller)."""
+    if any(w.layout() != weights[0].layout() for w in weights):
+        raise ValueError("QuantWeights of different layouts cannot be concatenated")
+
+    def cat(field: str) -> torch.Tensor | None:
+        parts = [getattr(w, field) for w in weights]
+        return None if parts[0] is None else torch.cat(parts)
+
+    fields = ("codes", "scales", "zeros", "mins", "super_scales", "super_mins")
+    return replace(weights[0], perm=None, **{f: cat(f) for f in fields})
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ from localserve.errors import LocalserveError
 from localserve.formats.spec import ModelSpec
 from localserve.kernels.quant_linear import QuantWeight
 
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, Slot
+from .moe import Experts
 
 # Names some checkpoints carry that hold nothing we need (derived at load time).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -18,15 +19,17 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 NamedWeights = Iterable[tuple[str, torch.Tensor | QuantWeight]]
 
 
+SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
 def build(
-    spec: ModelSpec, weights: NamedWeights, device: torch.device, dtype: torch.dtype, max_position: int
+    spec: ModelSpec, weights: NamedWeights, device: torch.device, dtype: torch.dtype, max_position: int,
+    cpu_moe_layers: int = 0,
 ) -> LlamaForCausalLM:
     """Lay out the model for ``spec`` on ``device`` and fill it from named weights
-    (dense tensors, or QuantWeights that stay quantized)."""
-    if spec.num_experts:
-        raise LocalserveError(f"mixture-of-experts models ({spec.architecture}) cannot run yet; "
-                              "`localserve fit` can plan their memory")
-    if spec.architecture not in ("llama", "qwen2", "qwen3"):
+    (dense tensors, or QuantWeights that stay quantized). The experts of MoE layers
+    below ``cpu_moe_layers`` stay in host memory and run on the CPU."""
+    if spec.architecture not in SUPPORTED:
         raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):
         model = LlamaForCausalLM(spec, max_position, device)
@@ -37,7 +40,13 @@ def build(
     load_weights(model, weights)
     for linear in model.linears():
         linear.finalize(device, dtype)
+    for layer, experts in model.experts():
+        experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype)
     return model.eval()
+
+
+def _is_expert_slot(slot: Slot) -> bool:
+    return isinstance(slot, tuple) and isinstance(slot[0], Experts)
 
 
 def load_weights(model: LlamaForCausalLM, weights: NamedWeights) -> None:
@@ -61,9 +70,11 @@ def load_weights(model: LlamaForCausalLM, weights: NamedWeights) -> None:
         elif is_bias:
             linear.bias_parts[part] = value  # type: ignore[index]
         else:
-            linear.parts[part] = value
+            linear.parts[part] = value  # type: ignore[index]
         filled.add(name)
-    missing = sorted(set(slots) - filled)
+    # Experts may come one by one or stacked, so their slots are alternatives that
+    # Experts.finalize checks for completeness.
+    missing = sorted(n for n in set(slots) - filled if not _is_expert_slot(slots[n]))
     if missing:
         shown = ", ".join(missing[:5])
         raise LocalserveError(f"checkpoint is missing {len(missing)} tensors, e.g. {shown}")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localserve.kernels.quant_linear import QuantWeight, dequantize, quant_linear
+from localserve.kernels.quant_linear import QuantWeight, concat_rows, dequantize, quant_linear
 
 Weight = torch.Tensor | QuantWeight
 
@@ -32,26 +30,8 @@ def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -
     return F.linear(x, weight, bias)
 
 
-def _layout(w: QuantWeight) -> tuple:
-    """Everything two QuantWeights must share for their rows to be concatenated."""
-    def dtype(t: torch.Tensor | None) -> torch.dtype | None:
-        return None if t is None else t.dtype
-
-    return (w.bits, w.group_size, w.groups_per_super, dtype(w.scales), dtype(w.zeros), dtype(w.mins),
-            dtype(w.super_scales), dtype(w.super_mins))
-
-
 def _can_fuse(weights: list[QuantWeight]) -> bool:
-    return all(w.perm is None and _layout(w) == _layout(weights[0]) for w in weights)
-
-
-def _concat_rows(weights: list[QuantWeight]) -> QuantWeight:
-    def cat(field: str) -> torch.Tensor | None:
-        parts = [getattr(w, field) for w in weights]
-        return None if parts[0] is None else torch.cat(parts)
-
-    fields = ("codes", "scales", "zeros", "mins", "super_scales", "super_mins")
-    return replace(weights[0], **{f: cat(f) for f in fields})
+    return all(w.perm is None and w.layout() == weights[0].layout() for w in weights)
 
 
 class Linear(nn.Module):
@@ -79,7 +59,7 @@ class Linear(nn.Module):
         if all(isinstance(p, torch.Tensor) for p in parts):
             self.weights = [torch.cat(parts).to(device, dtype)]  # type: ignore[arg-type]
         elif all(isinstance(p, QuantWeight) for p in parts) and _can_fuse(parts):  # type: ignore[arg-type]
-            self.weights = [_concat_rows(parts).to(device)]  # type: ignore[arg-type]
+            self.weights = [concat_rows(parts).to(device)]  # type: ignore[arg-type]
         else:
             self.weights = [p.to(device) if isinstance(p, QuantWeight) else p.to(device, dtype) for p in parts]  # type: ignore[union-attr]
         if self.bias_parts is not None:
@@ -95,6 +75,20 @@ class Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size() for w in self.weights)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up = Linear(hidden_size, [intermediate_size] * 2)
+        self.down = Linear(intermediate_size, [hidden_size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Embedding(Linear):

@@ -1,4 +1,6 @@
-"""The dense Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), and their
+mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (a SparseMoE block in place of
+the MLP).
 
 One module serves them all; the spec's flags switch the differences. Q/K/V and
 gate/up projections are fused into single matmuls where the weights' layouts allow,
@@ -8,17 +10,21 @@ filled part by part from the checkpoint's separate tensors at load time.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from localserve.formats.spec import ModelSpec
 from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
 
-from .layers import Embedding, Linear, RMSNorm
+from localserve.formats.hf import moe_block_name
+
+from .layers import MLP, Embedding, Linear, RMSNorm
+from .moe import PROJECTIONS, Experts, SparseMoE
 from .rope import RotaryEmbedding
 
-# Where each checkpoint tensor goes: (module, part index, is bias), or a plain tensor.
-Slot = tuple[Linear, int, bool] | torch.Tensor
+# Where each checkpoint tensor goes: (module, part, is bias), or a plain tensor.
+Slot = tuple[Linear, int, bool] | tuple[Experts, tuple[str, int | None], bool] | torch.Tensor
+# Mixtral's HF names for the expert projections.
+_MIXTRAL_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 class Attention(nn.Module):
@@ -53,25 +59,14 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.intermediate_size = spec.intermediate_size
-        self.gate_up = Linear(spec.hidden_size, [spec.intermediate_size] * 2)
-        self.down = Linear(spec.intermediate_size, [spec.hidden_size])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.down(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.attn = Attention(spec, rotary)
         self.post_attention_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | SparseMoE = (SparseMoE(spec) if spec.is_moe_layer(index)
+                                     else MLP(spec.hidden_size, spec.intermediate_size))
 
     def forward(
         self,
@@ -90,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.rotary = rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_position, device)
         self.embed = Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = self.embed if spec.tie_word_embeddings else Linear(spec.hidden_size, [spec.vocab_size])
         self.dtype = torch.float32
@@ -115,6 +110,10 @@ class LlamaForCausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
+    def experts(self) -> list[tuple[int, Experts]]:
+        """(layer index, its experts) of every MoE layer."""
+        return [(i, layer.mlp.experts) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
+
     def checkpoint_slots(self) -> dict[str, Slot]:
         """HF tensor name -> where it goes."""
         slots: dict[str, Slot] = {
@@ -134,9 +133,31 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None:
                 slots[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
                 slots[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
-            slots[f"{prefix}mlp.gate_proj.weight"] = (mlp.gate_up, 0, False)
-            slots[f"{prefix}mlp.up_proj.weight"] = (mlp.gate_up, 1, False)
-            slots[f"{prefix}mlp.down_proj.weight"] = (mlp.down, 0, False)
+            if isinstance(mlp, SparseMoE):
+                slots |= self._moe_slots(f"{prefix}{moe_block_name(self.spec.architecture)}.", mlp)
+            else:
+                slots |= _mlp_slots(f"{prefix}mlp.", mlp)
             slots[f"{prefix}input_layernorm.weight"] = layer.input_norm.weight
             slots[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_norm.weight
         return slots
+
+    def _moe_slots(self, prefix: str, moe: SparseMoE) -> dict[str, Slot]:
+        """The router, each expert's projections (HF, GPTQ, AWQ) or each projection of
+        all experts stacked (``experts.gate_proj.weight``: GGUF), the shared expert."""
+        experts = moe.experts
+        slots: dict[str, Slot] = {f"{prefix}gate.weight": (moe.router, 0, False)}
+        mixtral = self.spec.architecture == "mixtral"
+        for projection in PROJECTIONS:
+            slots[f"{prefix}experts.{projection}_proj.weight"] = (experts, (projection, None), False)
+            name = _MIXTRAL_EXPERT_NAMES[projection] if mixtral else f"{projection}_proj"
+            for e in range(experts.num_experts):
+                slots[f"{prefix}experts.{e}.{name}.weight"] = (experts, (projection, e), False)
+        if moe.shared_expert is not None:
+            slots |= _mlp_slots(f"{prefix}shared_expert.", moe.shared_expert)
+            slots[f"{prefix}shared_expert_gate.weight"] = (moe.shared_expert_gate, 0, False)
+        return slots
+
+
+def _mlp_slots(prefix: str, mlp: MLP) -> dict[str, Slot]:
+    return {f"{prefix}gate_proj.weight": (mlp.gate_up, 0, False), f"{prefix}up_proj.weight": (mlp.gate_up, 1, False),
+            f"{prefix}down_proj.weight": (mlp.down, 0, False)}

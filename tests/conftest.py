@@ -35,7 +35,8 @@ _BASE = dict(
 
 
 def _configs() -> dict[str, Callable[[], object]]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     return {
         "llama": lambda: LlamaConfig(**_BASE),
@@ -59,7 +60,21 @@ def _configs() -> dict[str, Callable[[], object]]:
         ),
         # head_dim 32 differs from hidden/heads (16), as in real Qwen3 configs.
         "qwen3": lambda: Qwen3Config(**_BASE, head_dim=32, tie_word_embeddings=True),
+        # Mixture of experts: 8 experts, top-2 (Mixtral renormalises the chosen gates).
+        "mixtral": lambda: MixtralConfig(**{**_BASE, "intermediate_size": 96}, num_local_experts=8,
+                                         num_experts_per_tok=2, sliding_window=None),
+        # Qwen2-MoE: top-3 gates not renormalised, a shared expert behind a sigmoid gate.
+        "qwen2_moe": lambda: Qwen2MoeConfig(**_BASE, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                            shared_expert_intermediate_size=96, norm_topk_prob=False,
+                                            tie_word_embeddings=False),
+        # Qwen3-MoE: q/k norm, renormalised gates, and layer 0 dense (mlp_only_layers).
+        "qwen3_moe": lambda: Qwen3MoeConfig(**_BASE, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                                            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0],
+                                            tie_word_embeddings=False),
     }
+
+
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 MODEL_KINDS = list(_configs())
@@ -67,12 +82,14 @@ MODEL_KINDS = list(_configs())
 
 def reinitialise(model: torch.nn.Module, seed: int) -> None:
     """Weights at std 1/sqrt(fan_in) so logits are not flat; norms and biases
-    random too, so that a weight loaded into the wrong place shows."""
+    random too, so that a weight loaded into the wrong place shows. MoE routers get
+    4x that, so each token's gates are far from uniform and routing matters."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
-                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+                router = name.endswith("mlp.gate.weight")
+                param.normal_(0.0, (4.0 if router else 1.0) * param.shape[-1] ** -0.5, generator=generator)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.5, generator=generator)
             else:

@@ -170,8 +170,12 @@ def test_bad_gguf_models_fail_cleanly(tmp_path, model) -> None:
         LLM(other_arch, device="cpu", num_kv_blocks=8)
     moe = tmp_path / "moe.gguf"
     minimal(moe, "llama", Q.F16, {"llama.expert_count": 8})
-    with pytest.raises(LocalserveError, match="mixture-of-experts"):
+    with pytest.raises(LocalserveError, match="expert_used_count"):
         LLM(moe, device="cpu", num_kv_blocks=8)
+    moe_without_experts = tmp_path / "moe-empty.gguf"
+    minimal(moe_without_experts, "llama", Q.F16, {"llama.expert_count": 8, "llama.expert_used_count": 2})
+    with pytest.raises(LocalserveError, match="missing"):
+        LLM(moe_without_experts, device="cpu", num_kv_blocks=8)
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04 not a gguf at all")
     with pytest.raises(LocalserveError, match="GGUF"):

@@ -25,6 +25,7 @@ class EngineConfig:
     num_cpu_blocks: int | None = None  # exact CPU-tier size; overrides cpu_offload_gb
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes across requests
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, or fp8 (e4m3; CUDA needs compute 8.9+)
+    cpu_moe: int | str = 0  # MoE experts kept in host RAM and run on the CPU: of the first N layers, or "all"
 
     def __post_init__(self) -> None:
         checks = [
@@ -39,10 +40,16 @@ class EngineConfig:
             (self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"),
+            (self.cpu_moe == "all" or (type(self.cpu_moe) is int and self.cpu_moe >= 0),
+             f"cpu_moe must be a number of layers or 'all', not {self.cpu_moe!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise LocalserveError(f"invalid engine option: {message}")
+
+    def cpu_moe_layers(self, num_layers: int) -> int:
+        """How many leading layers keep their experts in host memory."""
+        return num_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), num_layers)
 
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
         """The cache's torch dtype for a model computing in ``model_dtype``; with a

@@ -126,6 +126,10 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
     )
     if spec.num_heads % spec.num_kv_heads:
         raise LocalserveError(f"{gguf.path}: head_count must be a multiple of head_count_kv")
+    problem = spec.check_experts()
+    if problem:
+        raise LocalserveError(f"{gguf.path}: {problem} (metadata {arch}.expert_count, expert_used_count, "
+                              "expert_feed_forward_length)")
     return spec
 
 

@@ -31,6 +31,11 @@ _ARCHITECTURES = {
 _MAX_SHARDS = 4096
 
 
+def moe_block_name(architecture: str) -> str:
+    """The HF module holding a layer's router and experts."""
+    return "block_sparse_moe" if architecture == "mixtral" else "mlp"
+
+
 def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not path.is_file():
@@ -79,19 +84,30 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
         raise LocalserveError(f"config.json: missing or malformed field ({exc})") from exc
     if spec.num_heads % spec.num_kv_heads:
         raise LocalserveError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+    problem = spec.check_experts()
+    if problem:
+        raise LocalserveError(f"config.json: {problem}")
     return spec
 
 
-def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, int]:
+def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     if architecture not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
     # The hub's Qwen MoE files say num_experts; Mixtral and transformers 5 num_local_experts.
-    num_experts = config.get("num_experts") or config["num_local_experts"]
-    # Mixtral's experts are intermediate_size wide; Qwen's have their own width.
-    width = config["intermediate_size"] if architecture == "mixtral" else config["moe_intermediate_size"]
-    return dict(num_experts=int(num_experts), num_experts_per_tok=int(config["num_experts_per_tok"]),
-                moe_intermediate_size=int(width),
-                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0))
+    num_experts = int(config.get("num_experts") or config["num_local_experts"])
+    layers = int(config["num_hidden_layers"])
+    if architecture == "mixtral":
+        # Mixtral's experts are intermediate_size wide and its gates always renormalised.
+        return dict(num_experts=num_experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
+                    moe_intermediate_size=int(config["intermediate_size"]))
+    # Qwen MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
+    step = int(config.get("decoder_sparse_step") or 1)
+    only_dense = {int(i) for i in config.get("mlp_only_layers") or []}
+    dense = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)
+    return dict(num_experts=num_experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
+                moe_intermediate_size=int(config["moe_intermediate_size"]),
+                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)), dense_mlp_layers=dense)
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:

@@ -52,4 +52,49 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # one expert's MLP width
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-active expert
+    norm_topk_prob: bool = True  # rescale the chosen experts' gates to sum to 1
+    dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def check_experts(self) -> str | None:
+        """What is wrong with the MoE fields, or None."""
+        if not self.num_experts:
+            return None
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            return f"{self.num_experts_per_tok} experts per token of {self.num_experts} is not a valid routing"
+        if self.moe_intermediate_size <= 0:
+            return "the experts' intermediate size must be positive"
+        return None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
+    def parameter_counts(self) -> ParameterCounts:
+        """Parameters in all and those one token runs through (every expert counts in
+        the total; only the ``num_experts_per_tok`` it is routed to in the active)."""
+        hidden, heads, kv_heads, head_dim = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
+        q, kv = heads * head_dim, kv_heads * head_dim
+        attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if self.attention_bias else 0)
+        attention += 2 * head_dim if self.qk_norm else 0
+        norms = 2 * hidden
+        total = active = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2) + hidden
+        for layer in range(self.num_layers):
+            total += attention + norms
+            active += attention + norms
+            if not self.is_moe_layer(layer):
+                total += 3 * hidden * self.intermediate_size
+                active += 3 * hidden * self.intermediate_size
+                continue
+            expert = 3 * hidden * self.moe_intermediate_size
+            always = self.num_experts * hidden  # the router
+            if self.shared_expert_intermediate_size:
+                always += 3 * hidden * self.shared_expert_intermediate_size + hidden  # and its gate
+            total += always + self.num_experts * expert
+            active += always + self.num_experts_per_tok * expert
+        return ParameterCounts(total, active)
+
+
+@dataclass(slots=True, frozen=True)
+class ParameterCounts:
+    total: int
+    active: int  # per token

@@ -1,0 +1,233 @@
+"""Mixture-of-experts MLP: route each token to its top-k experts, run those experts'
+SwiGLU MLPs, and sum their outputs weighted by the router's gates.
+
+Expert weights are stacked per projection (``ExpertWeights``): ``gate_up`` is
+``[E, 2I, H]`` (each expert's gate rows, then its up rows), ``down`` is ``[E, H, I]``.
+A token's output is ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its chosen
+experts ``e = ids[j]`` with gates ``w_j``.
+
+Three implementations, one definition:
+
+- ``moe_ref.fused_moe_ref``: the plain per-expert loop, the definition of correct.
+- ``moe_triton``: on CUDA, tokens are sorted by expert so that each program of a
+  grouped GEMM reads one expert's weight tile once for a block of its tokens; experts
+  no token chose get no programs.
+- ``fused_moe_cpu`` (here): on CPU, one sort groups the (token, expert) pairs; only the
+  experts that were chosen run, each over its rows in one matmul (the fused C++ kernel
+  for quantized experts at decode sizes).
+
+When the experts live on another device than the activations (``cpu_moe``: experts
+in host RAM, the rest on the GPU), the tokens travel to the experts and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+from .quant_linear import QuantWeight, concat_rows, quant_linear
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    """One projection of every expert, ``[num_experts, out_features, in_features]``:
+    a dense tensor of that shape, or a QuantWeight whose rows are the experts' rows one
+    expert after another (``num_experts * out_features`` rows) and whose ``perm`` is
+    None; ``perms`` then holds each expert's GPTQ act-order ``[E, in_features]``."""
+
+    weight: torch.Tensor | QuantWeight
+    num_experts: int
+    perms: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight, QuantWeight):
+            if self.weight.perm is not None:
+                raise ValueError("a stacked QuantWeight keeps act-order in perms, not perm")
+            if self.weight.out_features % self.num_experts:
+                raise ValueError(f"{self.weight.out_features} rows do not split into {self.num_experts} experts")
+        elif self.weight.dim() != 3 or self.weight.shape[0] != self.num_experts:
+            raise ValueError(f"dense expert weights must be [{self.num_experts}, N, K], got {tuple(self.weight.shape)}")
+        if self.perms is not None and tuple(self.perms.shape) != (self.num_experts, self.in_features):
+            raise ValueError(f"perms must be [{self.num_experts}, {self.in_features}]")
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, QuantWeight)
+
+    @property
+    def out_features(self) -> int:
+        if isinstance(self.weight, QuantWeight):
+            return self.weight.out_features // self.num_experts
+        return self.weight.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features if isinstance(self.weight, QuantWeight) else self.weight.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.codes.device if isinstance(self.weight, QuantWeight) else self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.perms is None else self.perms.numel() * self.perms.element_size()
+        if isinstance(self.weight, QuantWeight):
+            return self.weight.nbytes + extra
+        return self.weight.numel() * self.weight.element_size() + extra
+
+    def expert(self, e: int) -> torch.Tensor | QuantWeight:
+        """Expert ``e``'s ``[out_features, in_features]`` weight (a view)."""
+        if isinstance(self.weight, QuantWeight):
+            n = self.out_features
+            rows = self.weight.row_range(e * n, (e + 1) * n)
+            return rows if self.perms is None else replace(rows, perm=self.perms[e])
+        return self.weight[e]
+
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertWeights:
+        if isinstance(self.weight, QuantWeight):
+            weight: torch.Tensor | QuantWeight = self.weight.to(device)
+        else:
+            weight = self.weight.to(device, dtype or self.weight.dtype)
+        perms = None if self.perms is None else self.perms.to(device)
+        return ExpertWeights(weight, self.num_experts, perms)
+
+    @classmethod
+    def stack(cls, experts: list[torch.Tensor | QuantWeight]) -> ExpertWeights:
+        """Stack per-expert ``[N, K]`` weights (all dense or all quantized alike)."""
+        if all(isinstance(w, torch.Tensor) for w in experts):
+            return cls(torch.stack(experts), len(experts))  # type: ignore[arg-type]
+        if not all(isinstance(w, QuantWeight) for w in experts):
+            raise ValueError("experts mix dense and quantized weights")
+        quantized: list[QuantWeight] = experts  # type: ignore[assignment]
+        # GPTQ v1 widens a zero point of 256 to int16 in some experts only: widen all.
+        if any(w.zeros is not None and w.zeros.dtype == torch.int16 for w in quantized):
+            quantized = [replace(w, zeros=w.zeros.to(torch.int16)) for w in quantized]  # type: ignore[union-attr]
+        perms = None
+        if any(w.perm is not None for w in quantized):
+            identity = torch.arange(quantized[0].in_features)
+            perms = torch.stack([identity if w.perm is None else w.perm for w in quantized])
+        return cls(concat_rows(quantized), len(experts), perms)
+
+
+
+def _fuse_outputs(parts: list[ExpertWeights]) -> ExpertWeights | None:
+    """Per expert, the rows of ``parts[0]`` then those of ``parts[1]`` (gate and up into
+    one gate_up), or None when they cannot share one matmul (different layouts, or
+    different GPTQ act-orders)."""
+    first = parts[0]
+    if all(isinstance(p.weight, torch.Tensor) for p in parts):
+        if any(p.weight.dtype != first.weight.dtype for p in parts):  # type: ignore[union-attr]
+            return None
+        return ExpertWeights(torch.cat([p.weight for p in parts], dim=1), first.num_experts)  # type: ignore[misc]
+    if not all(isinstance(p.weight, QuantWeight) and p.weight.layout() == first.weight.layout() for p in parts):
+        return None
+    if any((p.perms is None) != (first.perms is None) or (p.perms is not None and not torch.equal(p.perms, first.perms))
+           for p in parts):
+        return None
+    per_expert = [concat_rows([replace(p.expert(e), perm=None) for p in parts])  # type: ignore[misc]
+                  for e in range(first.num_experts)]
+    return ExpertWeights(concat_rows(per_expert), first.num_experts, first.perms)
+
+
+@dataclass(slots=True)
+class ExpertMLP:
+    """Every expert of one MoE layer: SwiGLU MLPs ``hidden -> intermediate -> hidden``.
+    ``gate_up`` is one fused ``[E, 2I, H]`` projection, or gate and up apart when their
+    weights cannot be fused."""
+
+    gate_up: list[ExpertWeights]
+    down: ExpertWeights
+
+    @classmethod
+    def from_projections(cls, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertMLP:
+        fused = _fuse_outputs([gate, up])
+        return cls([fused] if fused is not None else [gate, up], down)
+
+    @property
+    def num_experts(self) -> int:
+        return self.down.num_experts
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.down.in_features
+
+    @property
+    def device(self) -> torch.device:
+        return self.down.device
+
+    @property
+    def quantized(self) -> bool:
+        return self.down.quantized or any(p.quantized for p in self.gate_up)
+
+    @property
+    def nbytes(self) -> int:
+        return self.down.nbytes + sum(p.nbytes for p in self.gate_up)
+
+    def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertMLP:
+        return ExpertMLP([p.to(device, dtype) for p in self.gate_up], self.down.to(device, dtype))
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts: gates (fp32 ``[T, k]``, softmax over all experts,
+    then rescaled to sum to 1 when ``renormalize``) and expert ids (int64 ``[T, k]``)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    gates, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return gates, ids
+
+
+def fused_moe(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted output ``[T, H]`` for tokens ``x [T, H]`` routed to experts
+    ``ids [T, k]`` with ``gates [T, k]``; in ``x``'s dtype on ``x``'s device."""
+    if experts.device != x.device:
+        # Experts held elsewhere (cpu_moe): compute there, in fp32 when the experts are
+        # quantized (the CPU kernels take fp32), else in the experts' own dtype.
+        dtype = torch.float32 if experts.quantized else experts.down.weight.dtype  # type: ignore[union-attr]
+        out = fused_moe(x.to(experts.device, dtype), experts, gates.to(experts.device), ids.to(experts.device))
+        return out.to(x.device, x.dtype)
+    if use_triton(x):
+        from . import moe_triton
+
+        if moe_triton.supports(experts):
+            return moe_triton.fused_moe(x, experts, gates, ids)
+    if x.device.type == "cpu":
+        return fused_moe_cpu(x, experts, gates, ids)
+    from .moe_ref import fused_moe_ref
+
+    return fused_moe_ref(x, experts, gates, ids)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
+    return quant_linear(x, weight) if isinstance(weight, QuantWeight) else F.linear(x, weight)
+
+
+def fused_moe_cpu(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Group the (token, expert) pairs with one sort and run only the chosen experts,
+    each once over all of its rows."""
+    num_tokens, top_k = ids.shape
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # pair indices, grouped by expert
+    counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
+    rows = x.index_select(0, order // top_k)  # each pair's token, in expert order
+    weighted = torch.empty(order.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    pair_gates = gates.reshape(-1).index_select(0, order).float().unsqueeze(1)
+    intermediate = experts.intermediate_size
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        stop = start + count
+        parts = [_linear(rows[start:stop], p.expert(expert)) for p in experts.gate_up]
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        gate, up = hidden.split(intermediate, dim=-1)
+        out = _linear(F.silu(gate) * up, experts.down.expert(expert))
+        torch.mul(out.float(), pair_gates[start:stop], out=weighted[start:stop])
+        start = stop
+    # Back to pair order, then each token's k outputs summed in fp32.
+    per_pair = torch.empty_like(weighted)
+    per_pair[order] = weighted
+    return per_pair.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)

@@ -1,0 +1,28 @@
+"""The definition of the MoE MLP (see ``moe.py``): a loop over every expert, each
+taking the tokens that chose it, with quantized weights dequantized in full."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .moe import ExpertMLP
+from .quant_linear import QuantWeight, quant_linear_ref
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
+    return quant_linear_ref(x, weight) if isinstance(weight, QuantWeight) else F.linear(x, weight)
+
+
+def fused_moe_ref(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert in range(experts.num_experts):
+        tokens, slot = torch.where(ids == expert)
+        if tokens.numel() == 0:
+            continue
+        rows = x[tokens]
+        hidden = torch.cat([_linear(rows, p.expert(expert)) for p in experts.gate_up], dim=-1)
+        gate, up = hidden.split(experts.intermediate_size, dim=-1)
+        y = _linear(F.silu(gate) * up, experts.down.expert(expert))
+        out.index_add_(0, tokens, y.float() * gates[tokens, slot].float().unsqueeze(1))
+    return out.to(x.dtype)

@@ -1,0 +1,87 @@
+"""The sparse MoE block of Mixtral, Qwen2-MoE and Qwen3-MoE: a router picks each token's
+top-k experts, the fused MoE kernel runs them, and Qwen2-MoE adds an always-active
+shared expert scaled by a sigmoid gate."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from localserve.errors import LocalserveError
+from localserve.formats.spec import ModelSpec
+from localserve.kernels.moe import ExpertMLP, ExpertWeights, fused_moe, route
+from localserve.kernels.quant_linear import QuantWeight
+
+from .layers import MLP, Linear, Weight
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+class Experts(nn.Module):
+    """Every expert of one layer. Filled from the checkpoint one expert at a time
+    (``parts[(projection, e)]``, HF and GPTQ/AWQ files) or one projection at a time
+    for all experts (``parts[(projection, None)]``, GGUF's stacked ``*_exps``
+    tensors, rows expert after expert); ``finalize`` stacks them into an ExpertMLP."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.parts: dict[tuple[str, int | None], Weight] = {}
+        self.mlp: ExpertMLP | None = None
+
+    def _matrix(self, projection: str) -> tuple[int, int]:
+        if projection == "down":
+            return self.hidden_size, self.intermediate_size
+        return self.intermediate_size, self.hidden_size
+
+    def expected_shape(self, part: tuple[str, int | None], is_bias: bool) -> tuple[int, ...]:
+        projection, expert = part
+        rows, columns = self._matrix(projection)
+        return (rows, columns) if expert is not None else (self.num_experts * rows, columns)
+
+    def _stacked(self, projection: str) -> ExpertWeights:
+        whole = self.parts.get((projection, None))
+        if whole is not None:
+            if isinstance(whole, QuantWeight):
+                return ExpertWeights(whole, self.num_experts)
+            return ExpertWeights(whole.view(self.num_experts, *self._matrix(projection)), self.num_experts)
+        missing = [e for e in range(self.num_experts) if (projection, e) not in self.parts]
+        if missing:
+            raise LocalserveError(f"checkpoint is missing the {projection} projection of "
+                                  f"{len(missing)} experts (e.g. expert {missing[0]})")
+        try:
+            return ExpertWeights.stack([self.parts[(projection, e)] for e in range(self.num_experts)])
+        except ValueError as exc:  # experts quantized unlike each other
+            raise LocalserveError(f"experts' {projection} projections cannot be stacked: {exc}") from exc
+
+    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+        gate, up, down = (self._stacked(p) for p in PROJECTIONS)
+        self.mlp = ExpertMLP.from_projections(gate, up, down).to(device, dtype)
+        self.parts = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.mlp.nbytes if self.mlp is not None else 0
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        hidden = spec.hidden_size
+        self.top_k = spec.num_experts_per_tok
+        self.renormalize = spec.norm_topk_prob
+        self.router = Linear(hidden, [spec.num_experts])
+        self.experts = Experts(spec.num_experts, hidden, spec.moe_intermediate_size)
+        shared = spec.shared_expert_intermediate_size
+        self.shared_expert = MLP(hidden, shared) if shared else None
+        self.shared_expert_gate = Linear(hidden, [1]) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates, ids = route(self.router(x), self.top_k, self.renormalize)
+        assert self.experts.mlp is not None, "finalize() loads the experts"
+        out = fused_moe(x, self.experts.mlp, gates, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

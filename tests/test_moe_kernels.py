@@ -1,0 +1,117 @@
+"""The MoE kernels' CPU path against the reference (the per-expert loop): dense and
+GGUF-quantized experts, fused or separate gate/up, GPTQ act-order per expert, skewed
+routings, batches of 1 to 256 tokens. The Triton kernel has test_moe_triton.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from localserve.formats.gguf_quants import gguf_to_weight
+from localserve.kernels.moe import ExpertMLP, ExpertWeights, fused_moe, fused_moe_cpu, route
+from localserve.kernels.moe_ref import fused_moe_ref
+
+E, H, I = 8, 64, 96
+
+
+def quantized(matrix: torch.Tensor, type_name: str) -> object:
+    """A matrix quantized by gguf-py and re-packed by our GGUF reader."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    blocks = gguf.quants.quantize(matrix.numpy(), qtype)
+    return gguf_to_weight("w", np.ascontiguousarray(blocks).reshape(-1), int(qtype), tuple(matrix.shape))
+
+
+def make_experts(gate_type: str, up_type: str, down_type: str, act_order: bool = False, seed: int = 0) -> ExpertMLP:
+    generator = torch.Generator().manual_seed(seed)
+    projections = []
+    for type_name, (rows, cols) in zip((gate_type, up_type, down_type), ((I, H), (I, H), (H, I))):
+        dense = torch.randn(E, rows, cols, generator=generator) * cols**-0.5
+        if type_name == "F32":
+            projections.append(ExpertWeights(dense, E))
+            continue
+        per_expert = [quantized(w, type_name) for w in dense]
+        if act_order:
+            per_expert = [replace(w, perm=torch.randperm(cols, generator=generator)) for w in per_expert]
+        projections.append(ExpertWeights.stack(per_expert))
+    return ExpertMLP.from_projections(*projections)
+
+
+def routing(tokens: int, top_k: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, E, generator=generator) * 3
+    if kind == "one expert takes all":
+        logits[:, 5] += 100  # and the second choice varies
+    elif kind == "half the experts idle":
+        logits[:, 4:] -= 100
+    return route(logits, top_k, renormalize=True)
+
+
+CASES = {
+    "dense": ("F32", "F32", "F32", False),
+    "Q8_0": ("Q8_0", "Q8_0", "Q8_0", False),
+    "Q4_0 gate/up, Q4_1 down": ("Q4_0", "Q4_0", "Q4_1", False),
+    "gate and up unlike (not fused)": ("Q4_0", "Q8_0", "Q5_0", False),
+    "act-order per expert": ("Q4_0", "Q4_0", "Q4_0", True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tokens", [1, 2, 7, 33, 256])
+@pytest.mark.parametrize("kind", ["random", "one expert takes all", "half the experts idle"])
+def test_cpu_path_equals_reference(case: str, tokens: int, kind: str) -> None:
+    experts = make_experts(*CASES[case])
+    assert len(experts.gate_up) == (2 if case in ("gate and up unlike (not fused)", "act-order per expert") else 1)
+    gates, ids = routing(tokens, 2, kind, seed=tokens)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens))
+    expected = fused_moe_ref(x, experts, gates, ids)
+    ours = fused_moe_cpu(x, experts, gates, ids)
+    assert ours.shape == (tokens, H)
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    assert torch.equal(fused_moe(x, experts, gates, ids), ours)  # the dispatcher's choice on CPU
+
+
+def test_unchosen_experts_are_never_read() -> None:
+    """Experts no token chose may hold anything (here NaN): they are skipped."""
+    experts = make_experts("F32", "F32", "F32")
+    gates, ids = routing(16, 2, "half the experts idle", seed=1)
+    assert ids.max() < 4
+    for projection in (*experts.gate_up, experts.down):
+        projection.weight[4:] = float("nan")
+    out = fused_moe_cpu(torch.randn(16, H), experts, gates, ids)
+    assert torch.isfinite(out).all()
+
+
+def test_one_token_one_expert_is_that_experts_mlp() -> None:
+    """The definition, by hand: top-1 routing with gate 1 is the chosen expert's SwiGLU."""
+    experts = make_experts("F32", "F32", "F32")
+    x = torch.randn(3, H)
+    ids = torch.tensor([[6], [0], [6]])
+    gates = torch.ones(3, 1)
+    gate_up, down = experts.gate_up[0].weight, experts.down.weight
+    for t, e in enumerate(ids[:, 0].tolist()):
+        gate, up = (gate_up[e] @ x[t]).split(I)
+        expected = down[e] @ (torch.nn.functional.silu(gate) * up)
+        torch.testing.assert_close(fused_moe_cpu(x, experts, gates, ids)[t], expected)
+
+
+def test_route_picks_the_largest_and_renormalises() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    gates, ids = route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(gates[0], probs[[1, 2]])
+    gates, _ = route(logits, 2, renormalize=True)
+    torch.testing.assert_close(gates[0], probs[[1, 2]] / probs[[1, 2]].sum())
+
+
+def test_stacking_rejects_unlike_experts() -> None:
+    experts = [quantized(torch.randn(I, H), "Q4_0"), quantized(torch.randn(I, H), "Q8_0")]
+    with pytest.raises(ValueError):
+        ExpertWeights.stack(experts)
+    with pytest.raises(ValueError):
+        ExpertWeights.stack([torch.randn(I, H), experts[0]])
