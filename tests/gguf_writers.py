@@ -1,4 +1,4 @@
-"""Tiny llama-architecture GGUF files written with gguf-py, and the independent
+"""Tiny GGUF files (llama, Mixtral, Qwen2-MoE, Qwen3-MoE) written with gguf-py, and the independent
 reference: an HF fp32 model carrying gguf-py's own dequantization of every tensor."""
 
 from __future__ import annotations
@@ -20,7 +20,16 @@ LAYER_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+
+
+MOE_TO_GGUF = {
+    "gate": "ffn_gate_inp", "shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
+    "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp",
+}
+# transformers model_type -> GGUF architecture
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -28,7 +37,40 @@ def gguf_name(hf_name: str) -> str:
         return HF_TO_GGUF[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<module...>.weight
     layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    if module.startswith("mlp.") and module.removeprefix("mlp.") in MOE_TO_GGUF:
+        return f"blk.{layer}.{MOE_TO_GGUF[module.removeprefix('mlp.')]}.{kind}"
     return f"blk.{layer}.{LAYER_TO_GGUF[module]}.{kind}"
+
+
+def expert_tensor(hf_name: str, projection: str) -> str:
+    return f"blk.{hf_name.split('.')[2]}.ffn_{projection}_exps.weight"
+
+
+def gguf_tensors(model) -> dict[str, np.ndarray]:
+    """The model's tensors under GGUF names, as llama.cpp's converter lays them out:
+    Q/K rows permuted for arch llama, each layer's experts stacked per projection
+    (``ffn_gate_exps [E, I, H]`` ...), the shared expert's gate a vector."""
+    config = model.config
+    llama = GGUF_ARCHITECTURES[config.model_type] == "llama"
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5 keeps experts stacked, gate and up fused
+            gate, up = np.split(array, 2, axis=1)
+            tensors[expert_tensor(name, "gate")] = np.ascontiguousarray(gate)
+            tensors[expert_tensor(name, "up")] = np.ascontiguousarray(up)
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            tensors[expert_tensor(name, "down")] = array
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            array = array.reshape(-1)
+        elif llama and name.endswith("q_proj.weight"):
+            array = permute_rows(array, config.num_attention_heads)
+        elif llama and name.endswith("k_proj.weight"):
+            array = permute_rows(array, config.num_key_value_heads)
+        tensors[gguf_name(name)] = np.ascontiguousarray(array)
+    return tensors
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -70,42 +112,49 @@ def tiny_llama(hidden: int = 256, ffn: int = 512, layers: int = 2, seed: int = 3
 
 
 def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
-    """Every 2-D tensor in ``qtype`` (gguf-py quantizes it), norms in F32; tensors
-    named in ``exclude`` (GGUF names) are left out."""
+    """Every matrix (and stacked experts) in ``qtype`` (gguf-py quantizes it), vectors
+    in F32; tensors named in ``exclude`` (GGUF names) are left out."""
     import gguf
 
     config = model.config
+    arch = GGUF_ARCHITECTURES[config.model_type]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     vocab = stories_vocab()
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(float((config.rope_parameters or {}).get("rope_theta", 10000.0)))
+    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if config.model_type != "mixtral":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if config.model_type == "qwen2_moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(vocab["tokens"])
     writer.add_token_scores(vocab["scores"])
     writer.add_token_types(vocab["types"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for name, tensor in model.state_dict().items():
-        if gguf_name(name) in exclude:
+    for name, array in gguf_tensors(model).items():
+        if name in exclude:
             continue
-        array = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
-            array = permute_rows(array, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            array = permute_rows(array, config.num_key_value_heads)
-        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+        # Routers stay F32, as llama.cpp's quantizer leaves them.
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gguf_name(name), array.astype(np.float16))
+            writer.add_tensor(name, array.astype(np.float16))
         else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -116,18 +165,50 @@ def dequantized_reference(path: Path, model):
     """The HF model with every weight replaced by gguf-py's dequantization of the file."""
     import gguf
 
-    config = model.config
-    by_gguf_name = {gguf_name(n): n for n in model.state_dict()}
-    state = {}
+    values = {}
     for tensor in gguf.GGUFReader(path).tensors:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        values = values.reshape([int(d) for d in reversed(tensor.shape)])
-        name = by_gguf_name[tensor.name]
-        if name.endswith("q_proj.weight"):
-            values = unpermute_rows(values, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            values = unpermute_rows(values, config.num_key_value_heads)
-        state[name] = torch.from_numpy(np.array(values, dtype=np.float32))
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values[tensor.name] = np.array(array.reshape([int(d) for d in reversed(tensor.shape)]), dtype=np.float32)
+    # Undo gguf_tensors: each model tensor from the file's tensors that made it.
+    config = model.config
+    llama = GGUF_ARCHITECTURES[config.model_type] == "llama"
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            array = np.concatenate([values[expert_tensor(name, "gate")], values[expert_tensor(name, "up")]], axis=1)
+        elif name.endswith("mlp.experts.down_proj"):
+            array = values[expert_tensor(name, "down")]
+        else:
+            array = values[gguf_name(name)]
+            if llama and name.endswith("q_proj.weight"):
+                array = unpermute_rows(array, config.num_attention_heads)
+            elif llama and name.endswith("k_proj.weight"):
+                array = unpermute_rows(array, config.num_key_value_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(array)).reshape(tensor.shape)
     reference = type(model)(config)
     reference.load_state_dict(state)
     return reference.eval()
+
+
+def tiny_moe(kind: str, seed: int = 5):
+    """A two-layer Mixtral / Qwen2-MoE / Qwen3-MoE at widths every GGUF type can hold
+    (rows of 256), 4 experts, top-2; initialised as ``tiny_llama``, routers at 4x."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM
+
+    hidden = 256
+    base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                bos_token_id=1, eos_token_id=2, num_experts_per_tok=2)
+    if kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**base, num_local_experts=4, sliding_window=None))
+    elif kind == "qwen2_moe":
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**base, num_experts=4, moe_intermediate_size=256,
+                                                   shared_expert_intermediate_size=256, norm_topk_prob=False))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**base, num_experts=4, moe_intermediate_size=256, head_dim=32,
+                                                   norm_topk_prob=True))
+    reinitialise(model, seed=seed)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(hidden**0.5)
+    return model.eval()

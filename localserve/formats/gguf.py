@@ -1,6 +1,8 @@
-"""GGUF files (llama, qwen2, qwen3 architectures) -> ModelSpec + named weights.
+"""GGUF files (llama, qwen2, qwen3 architectures; Mixtral as llama with experts,
+qwen2moe, qwen3moe) -> ModelSpec + named weights.
 
-Tensor names are mapped to HF's; block-quantized tensors become QuantWeights without
+Tensor names are mapped to HF's (the experts' stacked ``*_exps`` tensors to
+``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert); block-quantized tensors become QuantWeights without
 loss (``gguf_quants``). llama.cpp's converter stores the Q and K projections of arch
 ``llama`` with rotary pairs interleaved (rows permuted per head); we put the rows back
 in HF's half-split order so one rotary implementation serves every format.
@@ -19,6 +21,7 @@ from ..errors import LocalserveError
 from ..kernels.quant_linear import QuantWeight
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight
+from .hf import moe_block_name
 from .spec import ModelSpec, RopeSpec
 
 # GGUF architecture -> ours; Mixtral is arch llama with experts.
@@ -42,17 +45,30 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# MoE tensors, under the layer's MoE block (``mlp`` or Mixtral's ``block_sparse_moe``).
+_MOE_NAMES = {
+    "ffn_gate_inp": "gate",
+    "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj",
+    "ffn_down_exps": "experts.down_proj",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+    "ffn_gate_shexp": "shared_expert.gate_proj",
+    "ffn_up_shexp": "shared_expert.up_proj",
+    "ffn_down_shexp": "shared_expert.down_proj",
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Per-dimension rotary frequency divisors (llama.cpp's form of llama3 rope scaling).
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, architecture: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_TENSOR.fullmatch(name)
     if match and match[2] in _LAYER_NAMES:
         return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    if match and match[2] in _MOE_NAMES:
+        return f"model.layers.{match[1]}.{moe_block_name(architecture)}.{_MOE_NAMES[match[2]]}.{match[3]}"
     return None
 
 
@@ -122,7 +138,9 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         num_experts=num_experts,
         num_experts_per_tok=md.get("expert_used_count", int, 0),
         moe_intermediate_size=md.get("expert_feed_forward_length", int, intermediate if num_experts else 0),
-        shared_expert_intermediate_size=md.get("expert_shared_feed_forward_length", int, 0),
+        shared_expert_intermediate_size=_shared_expert_width(gguf),
+        # llama.cpp renormalises the chosen gates for Mixtral and Qwen3-MoE, not Qwen2-MoE.
+        norm_topk_prob=arch != "qwen2moe",
     )
     if spec.num_heads % spec.num_kv_heads:
         raise LocalserveError(f"{gguf.path}: head_count must be a multiple of head_count_kv")
@@ -131,6 +149,12 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise LocalserveError(f"{gguf.path}: {problem} (metadata {arch}.expert_count, expert_used_count, "
                               "expert_feed_forward_length)")
     return spec
+
+
+def _shared_expert_width(gguf: GGUFFile) -> int:
+    # Read off the tensor: llama.cpp does too when expert_shared_feed_forward_length is absent.
+    info = gguf.tensors.get("blk.0.ffn_up_shexp.weight")
+    return info.shape[0] if info is not None and len(info.shape) == 2 else 0
 
 
 def _rope(gguf: GGUFFile, md: _Metadata, head_dim: int) -> RopeSpec:
@@ -164,15 +188,21 @@ def _interleaved_to_half_split(rows: int, heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
-    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if spec.architecture == "llama" else {}
+    # Arch llama (Mixtral included) has its Q/K rows permuted by the converter.
+    llama = gguf.metadata.get("general.architecture") == "llama"
+    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if llama else {}
     for info in gguf.tensors.values():
         if info.name == ROPE_FREQS:
             continue
-        name = hf_name(info.name)
+        name = hf_name(info.name, spec.architecture)
         if name is None:
             raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a {spec.architecture} model")
         weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
         match = _LAYER_TENSOR.fullmatch(info.name)
+        if match and isinstance(weight, torch.Tensor) and match[2] in _MOE_NAMES:
+            # Stacked experts [E, N, K] -> rows expert after expert, as quantized ones
+            # come; the shared expert's gate, a vector in GGUF, is HF's [1, hidden].
+            weight = weight.reshape(-1, weight.shape[-1])
         heads = permuted_heads.get(match[2]) if match else None
         if heads is not None:
             rows = weight.shape[0]
