@@ -50,6 +50,8 @@ class ExpertWeights:
                 raise ValueError(f"{self.weight.out_features} rows do not split into {self.num_experts} experts")
         elif self.weight.dim() != 3 or self.weight.shape[0] != self.num_experts:
             raise ValueError(f"dense expert weights must be [{self.num_experts}, N, K], got {tuple(self.weight.shape)}")
+        elif self.perms is not None:
+            raise ValueError("act-order perms belong to quantized experts only")
         if self.perms is not None and tuple(self.perms.shape) != (self.num_experts, self.in_features):
             raise ValueError(f"perms must be [{self.num_experts}, {self.in_features}]")
 

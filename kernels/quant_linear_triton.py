@@ -6,7 +6,9 @@ correct. Each program computes one ``BLOCK_M x BLOCK_N`` tile of the output (row
 ``x`` by output features), walking the inputs in ``BLOCK_K`` steps: it loads the uint8
 codes of a ``BLOCK_K x BLOCK_N`` slice of ``W.T``, unpacks nibbles if needed,
 dequantizes them in fp32 with the slice's per-group scales and zeros (or mins), casts
-to ``x``'s dtype and accumulates ``tl.dot`` in fp32.
+to ``x``'s dtype and accumulates ``tl.dot`` in fp32. The dequantization of a tile is one
+``@triton.jit`` function, ``_dequantize_tile``, which the grouped MoE GEMM
+(``moe_triton.py``) calls too, so the layout is decoded in one place.
 
 Act-order (``weight.perm``) is applied to ``x`` on the host with one ``index_select``
 before the launch: ``x`` is small next to the weight (a handful of rows when decoding),
@@ -29,6 +31,70 @@ from .quant_linear import QuantWeight
 # tl.dot requires every dimension to be at least 16; group sizes are multiples of it.
 _MIN_DOT_DIM = 16
 _MAX_BLOCK_K = 64
+
+
+@triton.jit
+def _dequantize_tile(
+    codes_cols,  # [1, BLOCK_N] pointers: each output column's row of codes
+    scales_cols,  # likewise into scales, zeros-or-mins, super_scales, super_mins
+    offsets_cols,
+    super_scales_cols,
+    super_mins_cols,
+    col_mask,  # [BLOCK_N]: columns past N load weight 0 (code, scale and offset 0)
+    k0,  # the tile's first input; a multiple of BLOCK_K
+    stride_ck,
+    stride_sg,
+    stride_zg,
+    stride_ssg,
+    stride_smg,
+    PACKED: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_SUPER: tl.constexpr,
+    GROUPS_PER_SUPER: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The fp32 ``[BLOCK_K, BLOCK_N]`` tile ``W.T[k0:k0 + BLOCK_K, cols]`` of a
+    QuantWeight, dequantized with the same fp32 operations as ``dequantize``.
+
+    Shared by every kernel that multiplies by a QuantWeight (``quant_linear`` and the
+    grouped MoE GEMM): callers point ``*_cols`` at the weight rows they need (a stacked
+    expert's rows start at ``e * N``), so the layout is decoded in one place. The caller
+    guarantees that ``BLOCK_K`` divides the group size or is a multiple of it, and that
+    the tile lies inside K (K is a multiple of the group size)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    mask = col_mask[None, :]
+    # Codes of W.T[k, n] as a [BLOCK_K, BLOCK_N] tile.
+    if PACKED:
+        # Input 2j is the low nibble of byte j, 2j + 1 the high one. Each byte is
+        # read for both of its inputs; the second read is served from cache.
+        byte = tl.load(codes_cols + (ks[:, None] // 2) * stride_ck, mask=mask, other=0)
+        q = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0xF
+    else:
+        q = tl.load(codes_cols + ks[:, None] * stride_ck, mask=mask, other=0)
+    q = q.to(tl.float32)
+
+    # Group of each input: a scalar when the whole tile lies in one group (one
+    # scale per output column), else per input (several whole groups per tile).
+    # Either way the loads below broadcast against the [BLOCK_K, BLOCK_N] codes.
+    if BLOCK_K <= GROUP_SIZE:
+        g = k0 // GROUP_SIZE
+    else:
+        g = ks[:, None] // GROUP_SIZE
+    scale = tl.load(scales_cols + g * stride_sg, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.load(offsets_cols + g * stride_zg, mask=mask, other=0).to(tl.float32)
+    if HAS_SUPER:
+        # Two-level scales: the same fp32 product the reference forms per group.
+        sg = g // GROUPS_PER_SUPER
+        scale = tl.load(super_scales_cols + sg * stride_ssg, mask=mask, other=0.0).to(tl.float32) * scale
+        if not HAS_ZEROS:
+            offset = tl.load(super_mins_cols + sg * stride_smg, mask=mask, other=0.0).to(tl.float32) * offset
+    # Dequantize in fp32 exactly as the reference does; the caller rounds once to x's dtype.
+    if HAS_ZEROS:
+        w = scale * (q - offset)
+    else:
+        w = scale * q - offset
+    return w
 
 
 @triton.jit
@@ -97,37 +163,11 @@ def _quant_linear_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
 
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None], other=0.0)
-
-        # Codes of W.T[k, n] as a [BLOCK_K, BLOCK_N] tile.
-        if PACKED:
-            # Input 2j is the low nibble of byte j, 2j + 1 the high one. Each byte is
-            # read for both of its inputs; the second read is served from cache.
-            byte = tl.load(codes_cols + (ks[:, None] // 2) * stride_ck, mask=col_mask[None, :], other=0)
-            q = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0xF
-        else:
-            q = tl.load(codes_cols + ks[:, None] * stride_ck, mask=col_mask[None, :], other=0)
-        q = q.to(tl.float32)
-
-        # Group of each input: a scalar when the whole tile lies in one group (one
-        # scale per output column), else per input (several whole groups per tile).
-        # Either way the loads below broadcast against the [BLOCK_K, BLOCK_N] codes.
-        if BLOCK_K <= GROUP_SIZE:
-            g = k0 // GROUP_SIZE
-        else:
-            g = ks[:, None] // GROUP_SIZE
-        scale = tl.load(scales_cols + g * stride_sg, mask=col_mask[None, :], other=0.0).to(tl.float32)
-        offset = tl.load(zeros_cols + g * stride_zg, mask=col_mask[None, :], other=0).to(tl.float32)
-        if HAS_SUPER:
-            # Two-level scales: the same fp32 product the reference forms per group.
-            sg = g // GROUPS_PER_SUPER
-            scale = tl.load(super_scales_cols + sg * stride_ssg, mask=col_mask[None, :], other=0.0).to(tl.float32) * scale
-            if not HAS_ZEROS:
-                offset = tl.load(super_mins_cols + sg * stride_smg, mask=col_mask[None, :], other=0.0).to(tl.float32) * offset
-        # Dequantize in fp32 exactly as the reference does, then round once to x's dtype.
-        if HAS_ZEROS:
-            w = scale * (q - offset)
-        else:
-            w = scale * q - offset
+        w = _dequantize_tile(
+            codes_cols, scales_cols, zeros_cols, super_scales_cols, super_mins_cols, col_mask, k0,
+            stride_ck, stride_sg, stride_zg, stride_ssg, stride_smg,
+            PACKED, GROUP_SIZE, HAS_ZEROS, HAS_SUPER, GROUPS_PER_SUPER, BLOCK_K,
+        )
 
         # "ieee" only matters for fp32 inputs, which would otherwise go through TF32
         # (~1e-3 error); fp16/bf16 use tensor cores either way.
