@@ -39,6 +39,23 @@ class ByteSize(click.ParamType):
         return int(size)
 
 
+class LayerCount(click.ParamType):
+    """A number of layers, or ``all``."""
+
+    name = "N|all"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
+        if value == "all" or (isinstance(value, int) and value >= 0):
+            return value  # type: ignore[return-value]
+        try:
+            count = int(str(value))
+        except ValueError:
+            count = -1
+        if count < 0:
+            self.fail(f"{value!r} is neither a number of layers nor 'all'", param, ctx)
+        return count
+
+
 def engine_options(command: Callable[..., None]) -> Callable[..., None]:
     """The engine options every command that loads a model takes (``EngineConfig``
     fields, with its defaults)."""
@@ -61,6 +78,8 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
                type=click.Choice(list(KV_CACHE_DTYPES))),
         option("--cpu-offload-gb", "GiB of host memory for swapped requests and spilled prefix blocks.", type=float),
         option("--enable-prefix-caching/--no-enable-prefix-caching", "Share the KV of equal prompt prefixes."),
+        option("--cpu-moe", "Keep the MoE experts of the first N layers (bare flag: all) in host memory and run "
+               "them on the CPU.", type=LayerCount(), is_flag=False, flag_value="all"),
     ]
     for add in reversed(options):
         command = add(command)  # type: ignore[assignment]
@@ -140,7 +159,30 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2))
         return
-    lines = describe(result, Path(model).name)
+    _echo_lines(describe(result, Path(model).name))
+
+
+@main.command()
+@click.argument("model", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
+def show(model: str, as_json: bool) -> None:
+    """What MODEL (a .gguf file or an HF checkpoint folder) is: architecture, parameters
+    (total, and active per token for mixture-of-experts models), context, quantization."""
+    import json
+
+    from .model_info import model_info
+
+    try:
+        info, lines = model_info(model)
+    except LocalserveError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+    else:
+        _echo_lines(lines)
+
+
+def _echo_lines(lines: list[tuple[str, str]]) -> None:
     width = max(len(label) for label, _ in lines)
     for label, text in lines:
         click.echo(f"{label:<{width}}  {text}")

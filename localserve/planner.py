@@ -10,6 +10,7 @@ the engine measures (activations, CUDA overhead) the plan estimates, and says so
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,13 @@ GiB = 1 << 30
 @dataclass(slots=True, frozen=True)
 class WeightSizes:
     parameters: int  # all of them, every expert counted
-    expert_parameters: int  # those in expert MLPs (0 for a dense model)
     file_bytes: int
     loaded_bytes: int  # as localserve holds them (see Checkpoint.tensor_sizes)
+    expert_bytes_by_layer: dict[int, int]  # loaded bytes of each MoE layer's routed experts
+
+    def host_expert_bytes(self, layers: int) -> int:
+        """Loaded bytes of the experts that ``cpu_moe`` keeps in host memory."""
+        return sum(size for layer, size in self.expert_bytes_by_layer.items() if layer < layers)
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,15 +53,17 @@ class FitPlan:
     kv_budget: int  # bytes for the KV pool (may be negative: the weights alone do not fit)
     kv_blocks: int
     cpu_blocks: int
+    cpu_moe_layers: int  # leading layers whose experts stay in host memory
+    host_expert_bytes: int  # their loaded bytes
+
+    @property
+    def gpu_weight_bytes(self) -> int:
+        return self.weights.loaded_bytes - self.host_expert_bytes
 
     @property
     def active_parameters(self) -> int:
         """Parameters one token runs through: all but the experts its router skips."""
-        spec = self.spec
-        if not spec.num_experts:
-            return self.weights.parameters
-        skipped = self.weights.expert_parameters * (spec.num_experts - spec.num_experts_per_tok) // spec.num_experts
-        return self.weights.parameters - skipped
+        return self.spec.parameter_counts().active
 
     @property
     def blocks_per_sequence(self) -> int:
@@ -89,6 +96,9 @@ class FitPlan:
             "active_parameters": self.active_parameters,
             "weights_file_bytes": self.weights.file_bytes,
             "weights_loaded_bytes": self.weights.loaded_bytes,
+            "weights_gpu_bytes": self.gpu_weight_bytes,
+            "experts_host_bytes": self.host_expert_bytes,
+            "cpu_moe_layers": self.cpu_moe_layers,
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -107,16 +117,22 @@ class FitPlan:
         }
 
 
+# HF: model.layers.3.mlp.experts.7.down_proj / ...block_sparse_moe.experts.7.w2; GGUF: blk.3.ffn_down_exps.
+_EXPERT_TENSOR = re.compile(r"(?:model\.layers|blk)\.(\d+)\..*(?:\.experts\.|_exps\.)")
+
+
 def weight_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightSizes:
-    parameters = expert_parameters = file_bytes = loaded_bytes = 0
+    parameters = file_bytes = loaded_bytes = 0
+    expert_bytes: dict[int, int] = {}
     for tensor in checkpoint.tensor_sizes(dtype):
         parameters += tensor.parameters
-        # HF: ...mlp.experts.7.down_proj / ...block_sparse_moe.experts.7.w2; GGUF: blk.N.ffn_down_exps.
-        if ".experts." in tensor.name or "_exps." in tensor.name:
-            expert_parameters += tensor.parameters
         file_bytes += tensor.file_bytes
         loaded_bytes += tensor.loaded_bytes
-    return WeightSizes(parameters, expert_parameters, file_bytes, loaded_bytes)
+        expert = _EXPERT_TENSOR.match(tensor.name)
+        if expert:
+            layer = int(expert[1])
+            expert_bytes[layer] = expert_bytes.get(layer, 0) + tensor.loaded_bytes
+    return WeightSizes(parameters, file_bytes, loaded_bytes, expert_bytes)
 
 
 def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
@@ -135,10 +151,12 @@ def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
     step_tokens = min(config.max_num_batched_tokens, context)
     activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
     usable = int(gpu_memory * config.gpu_memory_utilization)
+    cpu_moe_layers = config.cpu_moe_layers(spec.num_layers)
+    host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)
     if config.kv_cache_memory is not None:
         kv_budget = config.kv_cache_memory
     else:
-        kv_budget = usable - weights.loaded_bytes - activations - CUDA_OVERHEAD_ESTIMATE
+        kv_budget = usable - (weights.loaded_bytes - host_expert_bytes) - activations - CUDA_OVERHEAD_ESTIMATE
     cpu_blocks = config.num_cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
@@ -147,6 +165,7 @@ def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
         kv_bytes_per_token=block_bytes // config.block_size, block_size=config.block_size, context=context,
         gpu_memory=gpu_memory, usable=usable, activation_bytes=activations, overhead_bytes=CUDA_OVERHEAD_ESTIMATE,
         kv_budget=kv_budget, kv_blocks=max(0, kv_budget) // block_bytes, cpu_blocks=cpu_blocks,
+        cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
     )
 
 
@@ -157,10 +176,7 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
     def dtype_name(dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
 
-    parameters = human_count(weights.parameters)
-    if spec.num_experts:
-        parameters += (f" ({spec.num_experts} experts, {spec.num_experts_per_tok} per token: "
-                       f"{human_count(plan.active_parameters)} active)")
+    parameters = describe_parameters(spec)
     lines = [
         ("model", f"{name} ({spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads, "
                   f"{spec.num_kv_heads} KV heads of {spec.head_dim})"),
@@ -170,9 +186,12 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
         ("KV cache", f"{human_bytes(plan.kv_bytes_per_token)} per token ({dtype_name(plan.kv_dtype)}), "
                      f"{human_bytes(plan.kv_bytes_per_token * plan.context)} per {plan.context:,}-token sequence"),
         ("GPU memory", f"{human_bytes(plan.usable)} usable ({human_bytes(plan.gpu_memory)} x {plan.usable / plan.gpu_memory:.2f}): "
-                       f"weights {human_bytes(weights.loaded_bytes)}, activations ~{human_bytes(plan.activation_bytes)}, "
+                       f"weights {human_bytes(plan.gpu_weight_bytes)}, activations ~{human_bytes(plan.activation_bytes)}, "
                        f"CUDA ~{human_bytes(plan.overhead_bytes)}, KV cache {human_bytes(max(0, plan.kv_budget))}"),
     ]
+    if plan.cpu_moe_layers and spec.num_experts:
+        lines.append(("host memory", f"{human_bytes(plan.host_expert_bytes)} of experts (cpu_moe: layers "
+                                     f"0-{plan.cpu_moe_layers - 1} of {spec.num_layers}) run on the CPU"))
     if plan.fits:
         lines.append(("fits", f"yes: {plan.max_sequences:,} sequences of {plan.context:,} tokens at once "
                               f"({plan.kv_blocks * plan.block_size:,} tokens of KV cache)"))
@@ -186,6 +205,14 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
         lines.append(("CPU offload", f"{plan.cpu_sequences:,} more sequences held in host memory while swapped out "
                                      f"({plan.cpu_blocks * plan.block_size:,} tokens)"))
     return lines
+
+
+def describe_parameters(spec: ModelSpec) -> str:
+    counts = spec.parameter_counts()
+    if not spec.num_experts:
+        return human_count(counts.total)
+    return (f"{human_count(counts.total)} ({spec.num_experts} experts, {spec.num_experts_per_tok} per token: "
+            f"{human_count(counts.active)} active)")
 
 
 def human_bytes(n: int) -> str:

@@ -74,7 +74,8 @@ class Linear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes if isinstance(w, QuantWeight) else w.numel() * w.element_size() for w in self.weights)
+        tensors = [*self.weights, *([self.bias] if self.bias is not None else [])]
+        return sum(t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in tensors)
 
 
 class MLP(nn.Module):

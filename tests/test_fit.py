@@ -174,7 +174,7 @@ def test_mixtral_gguf_plan_counts_every_expert(tmp_path: Path) -> None:
     router, norms = s["experts"] * hidden, 2 * hidden
     parameters = 2 * s["vocab"] * hidden + s["layers"] * (attention + experts + router + norms) + hidden
     assert parameters == 46_702_792_704  # the published 46.7 B
-    assert result.weights.parameters == parameters
+    assert result.weights.parameters == result.spec.parameter_counts().total == parameters
     # A token runs through 2 of 8 experts: the published 12.9 B active.
     active = parameters - s["layers"] * experts * 6 // 8
     assert result.active_parameters == active == 12_879_925_248
@@ -194,6 +194,43 @@ def test_mixtral_gguf_plan_counts_every_expert(tmp_path: Path) -> None:
     kv_budget = int(48 * GiB * 0.90) - result.weights.loaded_bytes - activations - 512 * (1 << 20)
     assert result.kv_budget == kv_budget
     assert result.max_sequences == kv_budget // (16 * 128 * 1024) // (32768 // 16) == 4
+
+
+def test_cpu_moe_plans_experts_in_host_memory(tmp_path: Path) -> None:
+    """cpu_moe takes the experts of the first N layers off the GPU's budget: Q4_K
+    loaded at 148 bytes per 256 weights, 3 x 8 experts of hidden x ffn per layer."""
+    s = MIXTRAL
+    path = mixtral_gguf(tmp_path / "mixtral.gguf")
+    per_layer = 3 * s["experts"] * s["hidden"] * s["ffn"] // 256 * 148
+    base = plan(path, 24 * GiB, EngineConfig(max_model_len=32768))
+    assert not base.fits and base.host_expert_bytes == 0
+    for cpu_moe, layers in ((8, 8), ("all", 32), (100, 32)):
+        moved = plan(path, 24 * GiB, EngineConfig(max_model_len=32768, cpu_moe=cpu_moe))
+        assert moved.cpu_moe_layers == layers
+        assert moved.host_expert_bytes == layers * per_layer
+        assert moved.gpu_weight_bytes == base.weights.loaded_bytes - layers * per_layer
+        assert moved.kv_budget == base.kv_budget + layers * per_layer
+    # All experts in host RAM: 1.5 GiB of weights stay on the GPU and 19.7 GiB of KV
+    # cache (2 MiB blocks of 16 tokens) hold 4 full 32K contexts.
+    assert moved.gpu_weight_bytes < 1.6 * GiB
+    assert moved.fits and moved.max_sequences == moved.kv_budget // (2 << 20) // 2048 == 4
+    result = CliRunner().invoke(main, ["fit", str(path), "--gpu-memory", "24GiB", "--max-model-len", "32768",
+                                       "--cpu-moe"])
+    assert result.exit_code == 0, result.output
+    assert "of experts (cpu_moe: layers 0-31 of 32) run on the CPU" in result.output
+    assert "yes: 4 sequences" in result.output
+
+
+def test_show_prints_total_and_active_parameters(tmp_path: Path) -> None:
+    path = mixtral_gguf(tmp_path / "mixtral.gguf")
+    result = CliRunner().invoke(main, ["show", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "mixtral: 32 layers, hidden 4096, 32 heads (8 KV) of 128" in result.output
+    assert "46.70 B (8 experts, 2 per token: 12.88 B active)" in result.output
+    assert "32,768 tokens" in result.output
+    info = json.loads(CliRunner().invoke(main, ["show", str(path), "--json"]).output)
+    assert (info["parameters"], info["active_parameters"]) == (46_702_792_704, 12_879_925_248)
+    assert info["quantization"].startswith("Q4_K")
 
 
 def test_fit_cli_prints_the_plan(tmp_path: Path) -> None:

@@ -97,3 +97,22 @@ def test_f32_file_equals_transformers_and_llama_cpp(tmp_path, moe_model) -> None
     ours = all_logits(engine, [prompt])[0]
     assert relative_error(ours, hf_logits(model, prompt)) <= 1e-4
     assert relative_error(ours, llama_cpp_logits(path, prompt)) <= 2e-3
+
+
+def test_planned_weights_equal_what_the_engine_holds(tmp_path, moe_model) -> None:
+    """`localserve fit` sizes stacked experts from the header as the engine loads them."""
+    pytest.importorskip("llama_cpp")
+    from localserve.planner import plan
+
+    kind, model = moe_model
+    source = tmp_path / f"{kind}-f32.gguf"
+    write_gguf(source, model, Q.F32)
+    path = tmp_path / f"{kind}-Q4_K_M.gguf"
+    llama_cpp_quantize(source, path, "Q4_K_M")
+    engine = Engine(path, EngineConfig(num_kv_blocks=4), device="cpu", dtype=torch.float32)
+    model_ = engine.model
+    held = (sum(p.numel() * p.element_size() for p in model_.parameters())
+            + sum(linear.nbytes for linear in model_.linears()) + sum(e.nbytes for _, e in model_.experts()))
+    planned = plan(path, 1 << 30, dtype="float32").weights
+    assert planned.loaded_bytes == held
+    assert sum(planned.expert_bytes_by_layer.values()) == sum(e.nbytes for _, e in model_.experts())

@@ -1,0 +1,65 @@
+"""What a checkpoint is (``localserve show``), from its metadata alone: architecture,
+parameters (total, and active per token for MoE models), context, quantization, size."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from .formats import Checkpoint, open_checkpoint
+from .formats.gguf_file import GGML_TYPES
+from .planner import describe_parameters, human_bytes
+
+
+def quantization(checkpoint: Checkpoint) -> str:
+    """GGUF: its tensor types by share of the file; GPTQ/AWQ: bits and group size;
+    otherwise the stored dtype."""
+    if checkpoint.gguf is not None:
+        by_type: Counter[str] = Counter()
+        for info in checkpoint.gguf.tensors.values():
+            by_type[GGML_TYPES.get(info.ggml_type, (f"type {info.ggml_type}",))[0]] += info.nbytes or 0
+        total = sum(by_type.values()) or 1
+        return ", ".join(f"{name} {size / total:.0%}" for name, size in by_type.most_common(4))
+    if checkpoint.quant is not None:
+        quant = checkpoint.quant
+        group = "per-channel" if quant.group_size == -1 else f"group {quant.group_size}"
+        return f"{quant.method.upper()} {quant.bits}-bit, {group}"
+    return checkpoint.spec.torch_dtype or "unknown dtype"
+
+
+def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str]]]:
+    """The facts as a dict (``--json``) and as (label, text) lines for people."""
+    checkpoint = open_checkpoint(path)
+    spec = checkpoint.spec
+    counts = spec.parameter_counts()
+    file_bytes = sum(t.file_bytes for t in checkpoint.tensor_sizes(torch.bfloat16))
+    info: dict[str, object] = {
+        "path": str(checkpoint.path),
+        "format": "gguf" if checkpoint.gguf is not None else (checkpoint.quant.method if checkpoint.quant else "hf"),
+        "architecture": spec.architecture,
+        "quantization": quantization(checkpoint),
+        "parameters": counts.total,
+        "active_parameters": counts.active,
+        "experts": spec.num_experts,
+        "experts_per_token": spec.num_experts_per_tok,
+        "layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "heads": spec.num_heads,
+        "kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "context_length": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "file_bytes": file_bytes,
+    }
+    lines = [
+        ("model", str(checkpoint.path)),
+        ("architecture", f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+                         f"{spec.num_heads} heads ({spec.num_kv_heads} KV) of {spec.head_dim}"),
+        ("parameters", describe_parameters(spec)),
+        ("context", f"{spec.max_position_embeddings:,} tokens"),
+        ("vocabulary", f"{spec.vocab_size:,} tokens"),
+        ("weights", f"{info['quantization']}; {human_bytes(file_bytes)}"),
+    ]
+    return info, lines
