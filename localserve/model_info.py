@@ -21,7 +21,8 @@ def quantization(checkpoint: Checkpoint) -> str:
         for info in checkpoint.gguf.tensors.values():
             by_type[GGML_TYPES.get(info.ggml_type, (f"type {info.ggml_type}",))[0]] += info.nbytes or 0
         total = sum(by_type.values()) or 1
-        return ", ".join(f"{name} {size / total:.0%}" for name, size in by_type.most_common(4))
+        return ", ".join(f"{name} {size / total:.0%}" if size >= total / 100 else f"{name} <1%"
+                         for name, size in by_type.most_common(4))
     if checkpoint.quant is not None:
         quant = checkpoint.quant
         group = "per-channel" if quant.group_size == -1 else f"group {quant.group_size}"

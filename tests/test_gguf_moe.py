@@ -74,13 +74,19 @@ def test_gguf_py_types(tmp_path, moe_model, qtype) -> None:
     check_against_oracles(path, model)
 
 
-def test_q4_k_m_from_llama_cpp_quantizer(tmp_path, moe_model) -> None:
+def q4_k_m_file(tmp_path, kind: str, model):
+    """The model quantized by llama.cpp's own quantizer (it keeps routers F32)."""
     pytest.importorskip("llama_cpp")
-    kind, model = moe_model
     source = tmp_path / f"{kind}-f32.gguf"
     write_gguf(source, model, Q.F32)
     path = tmp_path / f"{kind}-Q4_K_M.gguf"
     llama_cpp_quantize(source, path, "Q4_K_M")
+    return path
+
+
+def test_q4_k_m_from_llama_cpp_quantizer(tmp_path, moe_model) -> None:
+    kind, model = moe_model
+    path = q4_k_m_file(tmp_path, kind, model)
     expert_types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if "_exps" in t.name}
     assert expert_types & {"Q4_K", "Q6_K"}, expert_types
     check_against_oracles(path, model)
@@ -101,14 +107,10 @@ def test_f32_file_equals_transformers_and_llama_cpp(tmp_path, moe_model) -> None
 
 def test_planned_weights_equal_what_the_engine_holds(tmp_path, moe_model) -> None:
     """`localserve fit` sizes stacked experts from the header as the engine loads them."""
-    pytest.importorskip("llama_cpp")
     from localserve.planner import plan
 
     kind, model = moe_model
-    source = tmp_path / f"{kind}-f32.gguf"
-    write_gguf(source, model, Q.F32)
-    path = tmp_path / f"{kind}-Q4_K_M.gguf"
-    llama_cpp_quantize(source, path, "Q4_K_M")
+    path = q4_k_m_file(tmp_path, kind, model)
     engine = Engine(path, EngineConfig(num_kv_blocks=4), device="cpu", dtype=torch.float32)
     model_ = engine.model
     held = (sum(p.numel() * p.element_size() for p in model_.parameters())
