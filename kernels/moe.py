@@ -22,13 +22,14 @@ in host RAM, the rest on the GPU), the tokens travel to the experts and back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 from .dispatch import use_triton
-from .quant_linear import QuantWeight, concat_rows, quant_linear
+from .quant_linear import QuantWeight, concat_rows, linear
 
 
 @dataclass(slots=True)
@@ -112,7 +113,6 @@ class ExpertWeights:
             identity = torch.arange(quantized[0].in_features)
             perms = torch.stack([identity if w.perm is None else w.perm for w in quantized])
         return cls(concat_rows(quantized), len(experts), perms)
-
 
 
 def _fuse_outputs(parts: list[ExpertWeights]) -> ExpertWeights | None:
@@ -203,8 +203,15 @@ def fused_moe(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: tor
     return fused_moe_ref(x, experts, gates, ids)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:
-    return quant_linear(x, weight) if isinstance(weight, QuantWeight) else F.linear(x, weight)
+Linear = Callable[[torch.Tensor, torch.Tensor | QuantWeight], torch.Tensor]
+
+
+def expert_mlp(rows: torch.Tensor, experts: ExpertMLP, expert: int, linear: Linear) -> torch.Tensor:
+    """Expert ``expert``'s SwiGLU MLP over ``rows``, its matmuls done by ``linear``."""
+    parts = [linear(rows, p.expert(expert)) for p in experts.gate_up]
+    hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    gate, up = hidden.split(experts.intermediate_size, dim=-1)
+    return linear(F.silu(gate) * up, experts.down.expert(expert))
 
 
 def fused_moe_cpu(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -214,22 +221,17 @@ def fused_moe_cpu(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids:
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair indices, grouped by expert
     counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
-    rows = x.index_select(0, order // top_k)  # each pair's token, in expert order
-    weighted = torch.empty(order.numel(), x.shape[1], dtype=torch.float32, device=x.device)
+    tokens = order // top_k  # each pair's token, in expert order
+    rows = x.index_select(0, tokens)
     pair_gates = gates.reshape(-1).index_select(0, order).float().unsqueeze(1)
-    intermediate = experts.intermediate_size
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         stop = start + count
-        parts = [_linear(rows[start:stop], p.expert(expert)) for p in experts.gate_up]
-        hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        gate, up = hidden.split(intermediate, dim=-1)
-        out = _linear(F.silu(gate) * up, experts.down.expert(expert))
-        torch.mul(out.float(), pair_gates[start:stop], out=weighted[start:stop])
+        y = expert_mlp(rows[start:stop], experts, expert, linear)
+        # Each token's k outputs are summed in fp32.
+        out.index_add_(0, tokens[start:stop], y.float() * pair_gates[start:stop])
         start = stop
-    # Back to pair order, then each token's k outputs summed in fp32.
-    per_pair = torch.empty_like(weighted)
-    per_pair[order] = weighted
-    return per_pair.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+    return out.to(x.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe import ExpertMLP
+from .moe import ExpertMLP, expert_mlp
 from .quant_linear import QuantWeight, quant_linear_ref
 
 
@@ -20,9 +20,6 @@ def fused_moe_ref(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids:
         tokens, slot = torch.where(ids == expert)
         if tokens.numel() == 0:
             continue
-        rows = x[tokens]
-        hidden = torch.cat([_linear(rows, p.expert(expert)) for p in experts.gate_up], dim=-1)
-        gate, up = hidden.split(experts.intermediate_size, dim=-1)
-        y = _linear(F.silu(gate) * up, experts.down.expert(expert))
+        y = expert_mlp(x[tokens], experts, expert, _linear)
         out.index_add_(0, tokens, y.float() * gates[tokens, slot].float().unsqueeze(1))
     return out.to(x.dtype)

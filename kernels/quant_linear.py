@@ -196,6 +196,13 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     return quant_linear_ref(x, weight, bias)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a dense or quantized weight."""
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def quant_linear_ref(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a QuantWeight; the reference dequantizes then multiplies."""
     if weight.perm is not None:

@@ -45,11 +45,11 @@ class LayerCount(click.ParamType):
     name = "N|all"
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int | str:
-        if value == "all" or (isinstance(value, int) and value >= 0):
-            return value  # type: ignore[return-value]
+        if value == "all":
+            return value
         try:
-            count = int(str(value))
-        except ValueError:
+            count = int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
             count = -1
         if count < 0:
             self.fail(f"{value!r} is neither a number of layers nor 'all'", param, ctx)

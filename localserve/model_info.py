@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from .formats import Checkpoint, open_checkpoint
 from .formats.gguf_file import GGML_TYPES
 from .planner import describe_parameters, human_bytes
@@ -31,11 +29,12 @@ def quantization(checkpoint: Checkpoint) -> str:
 
 
 def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str]]]:
-    """The facts as a dict (``--json``) and as (label, text) lines for people."""
+    """The facts as a dict (``--json``) and as (label, text) lines for people; the size
+    is the weight files' on disk."""
     checkpoint = open_checkpoint(path)
     spec = checkpoint.spec
     counts = spec.parameter_counts()
-    file_bytes = sum(t.file_bytes for t in checkpoint.tensor_sizes(torch.bfloat16))
+    file_bytes = sum(f.stat().st_size for f in checkpoint.files or [checkpoint.path])
     info: dict[str, object] = {
         "path": str(checkpoint.path),
         "format": "gguf" if checkpoint.gguf is not None else (checkpoint.quant.method if checkpoint.quant else "hf"),

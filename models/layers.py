@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localserve.kernels.quant_linear import QuantWeight, concat_rows, dequantize, quant_linear
+from localserve.kernels.quant_linear import QuantWeight, concat_rows, dequantize, linear
 
 Weight = torch.Tensor | QuantWeight
 
@@ -22,12 +22,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-def _matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, QuantWeight):
-        return quant_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def _can_fuse(weights: list[QuantWeight]) -> bool:
@@ -68,8 +62,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.weights) == 1:
-            return _matmul(x, self.weights[0], self.bias)
-        out = torch.cat([_matmul(x, w) for w in self.weights], dim=-1)
+            return linear(x, self.weights[0], self.bias)
+        out = torch.cat([linear(x, w) for w in self.weights], dim=-1)
         return out if self.bias is None else out + self.bias
 
     @property

@@ -156,6 +156,19 @@ def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=generator).tolist()
 
 
+def spy_on(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Count the calls of ``module.name`` (still calling it); returns the count list."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def triton_or_skip():  # type: ignore[no-untyped-def]
     """(triton, device, interpreted) for a kernel test module: compiled kernels on CUDA,
     the interpreter on CPU; skips the module when neither can run."""

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from .conftest import triton_or_skip
+from .conftest import spy_on, triton_or_skip
 
 # conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything
 # imports triton (the interpreter must be chosen before the first import).
@@ -332,15 +332,8 @@ def test_rejects_bad_tiles() -> None:
 def test_dispatcher_uses_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """``moe.fused_moe`` routes to the kernel when ``use_triton`` says so (CUDA tensors
     in production; forced here so the lazy import path also runs on CPU)."""
-    calls = []
-    kernel = moe_triton.fused_moe
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return kernel(*args, **kwargs)
-
     monkeypatch.setattr(moe, "use_triton", lambda tensor: True)
-    monkeypatch.setattr(moe_triton, "fused_moe", spy)
+    calls = spy_on(monkeypatch, moe_triton, "fused_moe")
     experts = make_experts(4, 64, 32, "gptq4")
     gates, ids = make_routing(3, 4, 2, "random")
     x = torch.randn(3, 64, device=DEVICE)

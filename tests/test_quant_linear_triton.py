@@ -10,7 +10,7 @@ every layout the loaders produce.
 import pytest
 import torch
 
-from .conftest import triton_or_skip
+from .conftest import spy_on, triton_or_skip
 
 # conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything
 # imports triton (the interpreter must be chosen before the first import).
@@ -171,15 +171,8 @@ def test_rejects_bad_tiles() -> None:
 def test_dispatcher_uses_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     """``quant_linear`` routes to the kernel when ``use_triton`` says so (CUDA tensors in
     production; forced here so the lazy import path also runs on CPU)."""
-    calls = []
-    kernel = quant_linear_triton.quant_linear
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return kernel(*args, **kwargs)
-
     monkeypatch.setattr(ql, "use_triton", lambda tensor: True)
-    monkeypatch.setattr(quant_linear_triton, "quant_linear", spy)
+    calls = spy_on(monkeypatch, quant_linear_triton, "quant_linear")
     weight = make_weight(24, 64, bits=4, group_size=32, perm=True)
     x, bias = make_inputs(3, 24, 64, torch.float32, bias=True)
     out = ql.quant_linear(x, weight, bias)

@@ -94,20 +94,18 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     if architecture not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
     # The hub's Qwen MoE files say num_experts; Mixtral and transformers 5 num_local_experts.
-    num_experts = int(config.get("num_experts") or config["num_local_experts"])
-    layers = int(config["num_hidden_layers"])
+    fields: dict[str, Any] = dict(num_experts=int(config.get("num_experts") or config["num_local_experts"]),
+                                  num_experts_per_tok=int(config["num_experts_per_tok"]))
     if architecture == "mixtral":
         # Mixtral's experts are intermediate_size wide and its gates always renormalised.
-        return dict(num_experts=num_experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
-                    moe_intermediate_size=int(config["intermediate_size"]))
+        return fields | dict(moe_intermediate_size=int(config["intermediate_size"]))
     # Qwen MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
     step = int(config.get("decoder_sparse_step") or 1)
     only_dense = {int(i) for i in config.get("mlp_only_layers") or []}
-    dense = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)
-    return dict(num_experts=num_experts, num_experts_per_tok=int(config["num_experts_per_tok"]),
-                moe_intermediate_size=int(config["moe_intermediate_size"]),
-                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
-                norm_topk_prob=bool(config.get("norm_topk_prob", False)), dense_mlp_layers=dense)
+    dense = tuple(i for i in range(int(config["num_hidden_layers"])) if i in only_dense or (i + 1) % step)
+    return fields | dict(moe_intermediate_size=int(config["moe_intermediate_size"]),
+                         shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+                         norm_topk_prob=bool(config.get("norm_topk_prob", False)), dense_mlp_layers=dense)
 
 
 def _sliding_window(config: dict[str, Any]) -> int | None:
