@@ -38,6 +38,14 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None
+    # Entry p: prompt token p + 1 given the tokens before it (the first token has none);
+    # complete from the first output on. None unless params.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None
+    # time.monotonic() readings, for TTFT, queue time and end-to-end latency.
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None  # None until finished
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -136,6 +144,8 @@ class Engine:
             raise LocalserveError("the prompt is empty")
         if max(prompt_ids) >= self.spec.vocab_size or min(prompt_ids) < 0:
             raise LocalserveError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if params.logit_bias and max(params.logit_bias) >= self.spec.vocab_size:
+            raise LocalserveError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise LocalserveError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -180,7 +190,9 @@ class Engine:
         self.kv.end_step()
         if not batch.requests:
             return []
-        sampled, result = self.runner.execute(batch)
+        result = self.runner.execute(batch)
+        for request, logprobs in result.prompt_logprobs:
+            request.prompt_logprobs.append(logprobs)  # type: ignore[union-attr]  # a list when asked for
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens_total += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
@@ -188,14 +200,15 @@ class Engine:
             self.kv.cache_full_blocks(request)
         outputs = []
         now = time.monotonic()
-        for i, request in enumerate(sampled):
-            token = result.token_ids[i]
+        sampled = result.sampler_output
+        for i, request in enumerate(result.sampled):
+            token = sampled.token_ids[i]
             request.token_ids.append(token)
             self.num_generated_tokens_total += 1
             if request.first_token_time is None:
                 request.first_token_time = now
-            if result.logprobs[i] is not None:
-                request.logprobs.append(result.logprobs[i])
+            if sampled.logprobs[i] is not None:
+                request.logprobs.append(sampled.logprobs[i])
             self._check_stop(request, token)
             if request.finish_reason is not None:
                 request.finish_time = now
@@ -246,6 +259,11 @@ class Engine:
             finished=request.finished,
             finish_reason=request.finish_reason,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=request.prompt_logprobs,  # complete by now, so shared without a copy
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time,
         )
 
     # -- statistics -------------------------------------------------------------------

@@ -37,13 +37,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" or "length" (or "abort")
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Entry p: prompt token p + 1 given the tokens before it; None unless params.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     text: str = ""
+    first_scheduled_time: float | None = None  # queue time: first_scheduled_time - arrival_time
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,6 +65,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_logprobs_owed_from(self) -> int | None:
+        """The first position whose prompt logprob (of the token after it) is asked for and
+        not computed yet; every later prompt position but the last is owed too. None if none is."""
+        if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1:
+            return None
+        return len(self.prompt_logprobs)
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from ..kernels import AttentionMetadata, KVCache
 from .request import Request
-from .sampler import Sampler, SamplerOutput, SamplingRow
+from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
 from .scheduler import ScheduledBatch
 
 
@@ -17,8 +17,19 @@ class ModelInputs:
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # rows whose logits are sampled: each finishing request's last token
-    to_sample: list[Request]  # the requests those rows belong to, in order
+    # Rows whose logits are computed: first each finishing request's last token (sampled),
+    # then the prompt positions owed a prompt logprob.
+    logits_rows: torch.Tensor
+    to_sample: list[Request]  # the requests the sampled rows belong to, in order
+    prompt_requests: list[Request]  # the request of each prompt-logprob row
+    prompt_targets: list[int]  # the prompt token each prompt-logprob row predicts
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: list[Request]  # the requests that produced a token (their prompt is now fully computed)
+    sampler_output: SamplerOutput | None  # for them, in order
+    prompt_logprobs: list[tuple[Request, TokenLogprobs]]  # new entries, in position order per request
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> ModelInputs:
@@ -26,6 +37,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
     positions: list[int] = []
     slots: list[int] = []
     query_start, seq_lens, sample_rows, to_sample = [0], [], [], []
+    prompt_rows, prompt_requests, prompt_targets = [], [], []
     for request, num_new in zip(batch.requests, batch.num_new_tokens):
         start = request.num_computed_tokens
         end = start + num_new
@@ -33,6 +45,12 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         positions.extend(range(start, end))
         table = request.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        owed_from = request.prompt_logprobs_owed_from  # past any recorded before a recompute
+        if owed_from is not None:  # position p predicts prompt token p + 1
+            owed = range(max(start, owed_from), min(end, request.num_prompt_tokens - 1))
+            prompt_rows.extend(query_start[-1] + p - start for p in owed)
+            prompt_requests.extend([request] * len(owed))
+            prompt_targets.extend(request.prompt_token_ids[p + 1] for p in owed)
         query_start.append(query_start[-1] + num_new)
         seq_lens.append(end)
         if end == request.num_tokens:  # the chunk reaches the last token: sample
@@ -59,8 +77,10 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         input_ids=tensor(input_ids, torch.int64),
         positions=tensor(positions, torch.int64),
         meta=meta,
-        sample_rows=tensor(sample_rows, torch.int64),
+        logits_rows=tensor(sample_rows + prompt_rows, torch.int64),
         to_sample=to_sample,
+        prompt_requests=prompt_requests,
+        prompt_targets=prompt_targets,
     )
 
 
@@ -79,22 +99,31 @@ class ModelRunner:
         self.sampler = Sampler()
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], SamplerOutput | None]:
-        """Run one step. Returns the requests that produced a token (those whose
-        prompt is now fully computed) and the sampler's output for them, in order."""
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Run one step: the model over the batch, then one logits pass for the rows that
+        are sampled and the prompt positions owed a prompt logprob."""
         inputs = prepare_inputs(batch, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.to_sample:
-            return [], None
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        rows = [
-            SamplingRow(
-                params=r.params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in inputs.to_sample
-        ]
-        return inputs.to_sample, self.sampler(logits, rows)
+        if not inputs.to_sample and not inputs.prompt_requests:
+            return RunnerOutput([], None, [])
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        num_sampled = len(inputs.to_sample)
+        prompt_logprobs: list[tuple[Request, TokenLogprobs]] = []
+        if inputs.prompt_requests:
+            found = token_logprobs(logits[num_sampled:], inputs.prompt_targets,
+                                   [r.params.prompt_logprobs or 0 for r in inputs.prompt_requests])
+            prompt_logprobs = list(zip(inputs.prompt_requests, found))
+        sampler_output = None
+        if inputs.to_sample:
+            rows = [
+                SamplingRow(
+                    params=r.params,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=r.output_token_ids,
+                    generator=r.generator,
+                    eos_token_ids=r.eos_token_ids,
+                )
+                for r in inputs.to_sample
+            ]
+            sampler_output = self.sampler(logits[:num_sampled], rows)
+        return RunnerOutput(inputs.to_sample, sampler_output, prompt_logprobs)

@@ -1,8 +1,8 @@
 """Turns one step's logits into the next token of every request in the batch.
 
 Order (as in vLLM/HF/OpenAI): min_tokens suppression -> repetition penalty ->
-presence/frequency penalties -> greedy argmax, or temperature -> top_k -> top_p ->
-min_p -> sample. Logprobs are reported from the raw logits, before any of that.
+presence/frequency penalties -> logit bias -> greedy argmax, or temperature -> top_k ->
+top_p -> min_p -> sample. Logprobs are reported from the raw logits, before any of that.
 """
 
 from __future__ import annotations
@@ -58,6 +58,20 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """For each row of ``logits``: the logprob of its token in ``token_ids`` and its
+    ``num_top`` best alternatives, from the raw distribution (log_softmax in float32)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    # topk(0) yields empty rows, so num_top 0 everywhere needs no special case.
+    top_vals, top_ids = logprobs.topk(min(max(num_top), logprobs.shape[1]), dim=-1)
+    return [
+        TokenLogprobs(token, logprob, list(zip(ids[:n], vals[:n])))
+        for token, logprob, n, ids, vals in zip(token_ids, chosen, num_top, top_ids.tolist(), top_vals.tolist())
+    ]
+
+
 class Sampler:
     """Stateless; per-request state (history, RNG) arrives in the rows."""
 
@@ -66,37 +80,30 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if not rows:
             return SamplerOutput([], [])
-        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        # vLLM's default "raw logprobs": the model's own distribution, untouched by sampling settings.
-        raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
-
-        logits = self.penalized_logits(logits, rows)
+        penalized = self.penalized_logits(logits, rows)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         if len(greedy) == len(rows):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = penalized.argmax(dim=-1)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy:
-                token_ids[greedy] = logits[greedy].argmax(dim=-1)
+                token_ids[greedy] = penalized[greedy].argmax(dim=-1)
             sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
-            token_ids[sampled] = self._sample(logits[sampled], [rows[i] for i in sampled])
+            token_ids[sampled] = self._sample(penalized[sampled], [rows[i] for i in sampled])
 
         ids: list[int] = token_ids.tolist()  # one device sync for the whole batch
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, token_ids[lp_rows].unsqueeze(1)).squeeze(1).tolist()
-            n_max = min(max(rows[i].params.logprobs or 0 for i in lp_rows), raw_logprobs.shape[1])
-            # topk(0) yields empty rows, so logprobs=0 everywhere needs no special case.
-            top_vals, top_ids = raw_logprobs.topk(n_max, dim=-1)
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(lp_rows):
-                n = rows[i].params.logprobs or 0
-                top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n]))
-                logprobs[i] = TokenLogprobs(ids[i], chosen[j], top)
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if lp_rows:
+            # vLLM's default "raw logprobs": the model's own distribution, untouched by sampling settings.
+            found = token_logprobs(logits[lp_rows], [ids[i] for i in lp_rows],
+                                   [rows[i].params.logprobs or 0 for i in lp_rows])
+            for i, lp in zip(lp_rows, found):
+                logprobs[i] = lp
         return SamplerOutput(ids, logprobs)
 
     def penalized_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """float32 copy of `logits` after min_tokens suppression and the three penalties.
+        """float32 copy of `logits` after min_tokens suppression, the three penalties and the logit bias.
 
         This is what greedy rows take the argmax of; the input is never modified.
         """
@@ -134,6 +141,14 @@ class Sampler:
             freq = _column([rows[i].params.frequency_penalty for i in pf], device)
             pres = _column([rows[i].params.presence_penalty for i in pf], device)
             logits[pf] = logits[pf] - freq * counts - pres * (counts > 0)
+
+        # Logit bias (OpenAI): added last, so +100 forces a token and -100 bans it, greedy or not.
+        # (vLLM adds it before the penalties; only repetition_penalty's scaling tells the two apart.)
+        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
+        if bias:
+            b_rows, b_cols, b_values = zip(*bias)
+            index = (torch.tensor(b_rows, device=device), torch.tensor(b_cols, device=device))
+            logits.index_put_(index, torch.tensor(b_values, dtype=torch.float32, device=device), accumulate=True)
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

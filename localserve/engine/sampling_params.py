@@ -26,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -45,6 +47,10 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
+            (all(type(t) is int and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids (ints >= 0)"),
+            (all(isinstance(b, int | float) and -100 <= b <= 100 for b in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

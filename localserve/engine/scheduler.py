@@ -14,6 +14,7 @@ freed to be recomputed later. Nothing comes back or joins in a step that preempt
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -106,6 +107,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:  # not again when it comes back to recompute
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             batch.add(request, num_new)
             budget -= num_new
