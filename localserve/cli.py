@@ -130,6 +130,71 @@ def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: flo
         raise click.ClickException(str(exc)) from exc
 
 
+def model_source(value: str) -> tuple[str, Path]:
+    """``NAME=PATH`` or ``PATH`` (named after the file or folder, without .gguf)."""
+    name, sep, path = value.partition("=")
+    if not sep or "/" in name or not name:
+        name, path = "", value
+    resolved = Path(path).expanduser()
+    if not resolved.exists():
+        raise click.BadParameter(f"{path}: no such file or folder", param_hint="--model")
+    return name or resolved.name.removesuffix(".gguf"), resolved
+
+
+@main.command()
+@click.option("--model", "models", multiple=True, metavar="[NAME=]PATH",
+              help="A model to serve as NAME (default: the file or folder name), loaded at start-up. Repeatable.")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="LOCALSERVE_HOST",
+              help="Address to listen on; anything but loopback needs --api-key.")
+@click.option("--port", default=8000, show_default=True, envvar="LOCALSERVE_PORT")
+@click.option("--api-key", envvar="LOCALSERVE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health. [env: LOCALSERVE_API_KEY]")
+@click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without an API key.")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="Allow browser requests from ORIGIN (e.g. http://localhost:3000). Repeatable; default none.")
+@click.option("--keep-alive", default="5m", show_default=True, envvar="LOCALSERVE_KEEP_ALIVE",
+              help="How long an idle model stays loaded (300, 5m, 1h; 0 unloads at once; -1 forever).")
+@click.option("--max-loaded-models", default=3, show_default=True, envvar="LOCALSERVE_MAX_LOADED_MODELS",
+              type=click.IntRange(min=1), help="Models loaded at once; the least recently used idle one makes room.")
+@click.option("--max-queued-requests", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Requests a model queues beyond its running batch; more get 429.")
+@click.option("--max-body-size", default="32MiB", show_default=True, type=ByteSize(), help="Largest request body.")
+@click.option("--drain-timeout", default=30.0, show_default=True,
+              help="Seconds SIGTERM waits for running requests before exiting.")
+@click.option("--device", default=None, help="cpu or cuda; default cuda when available.")
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+@engine_options
+def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, insecure_no_auth: bool,
+          cors_origins: tuple[str, ...], keep_alive: str, max_loaded_models: int, max_queued_requests: int,
+          max_body_size: int, drain_timeout: float, device: str | None, dtype: str | None, log_level: str,
+          **options: object) -> None:
+    """Run the daemon: an OpenAI-compatible HTTP API (/v1), the admin API (/api),
+    /health and /metrics, on one port."""
+    import logging
+
+    from .server.app import ServerConfig
+    from .server.model_manager import parse_keep_alive
+    from .server.serve import serve as run_server
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sources = dict(model_source(value) for value in models)
+    try:
+        keep_alive_s = parse_keep_alive(keep_alive)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
+    try:
+        config = ServerConfig(
+            models=sources, preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
+            host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
+            max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
+            max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)
+        sys.exit(run_server(config, insecure_no_auth, log_level))
+    except LocalserveError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 @main.command()
 @click.argument("model", type=click.Path(exists=True))
 @click.option("--gpu-memory", type=ByteSize(), default=None,

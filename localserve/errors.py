@@ -7,3 +7,7 @@ error JSON, the CLI prints it without a traceback.
 
 class LocalserveError(Exception):
     """An error caused by input (a file, a request, a name), not by a bug."""
+
+
+class InsufficientMemoryError(LocalserveError):
+    """A model does not fit in the memory left (unloading another may make room)."""

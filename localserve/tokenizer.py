@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from .errors import LocalserveError
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 byte values (GPT-2's scheme):
+    printable Latin-1 bytes stand for themselves, the rest map to code points 256 up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {chr(b): b for b in printable}
+    extra = 256
+    for b in range(256):
+        if b not in printable:
+            alphabet[chr(extra)] = b
+            extra += 1
+    return alphabet
+
 
 # How many tokens before the unread ones are decoded along with them, so that
 # context-dependent decoding (SentencePiece's leading space) comes out right.
@@ -24,6 +43,8 @@ class Tokenizer:
         self.bos_token_id = self._special_id(config.get("bos_token"))
         self.eos_token_id = self._special_id(config.get("eos_token"))
         self.add_bos_token = bool(config.get("add_bos_token", False))
+        decoder = backend.decoder
+        self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
@@ -64,6 +85,21 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own (what OpenAI's logprobs report):
+        SentencePiece's word marker as a space, byte tokens as their byte."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            alphabet = _byte_level_alphabet()
+            if all(ch in alphabet for ch in piece):
+                return bytes(alphabet[ch] for ch in piece)
+            return piece.encode()  # an added token written as plain text
+        if byte := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(byte[1], 16)])
+        return piece.replace("\u2581", " ").encode()
 
 
 class IncrementalDetokenizer:

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..errors import LocalserveError
+from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats.spec import ModelSpec
 from .config import EngineConfig
 from .kv_cache import allocate_kv_tensors
@@ -69,7 +69,7 @@ def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: fl
     in_use = total - free
     budget = int(total * utilization) - in_use - activation_peak - reserve
     if budget <= 0:
-        raise LocalserveError(
+        raise InsufficientMemoryError(
             f"no GPU memory left for the KV cache: {utilization:.0%} of {total / GiB:.1f} GiB allowed, "
             f"{in_use / GiB:.2f} GiB in use after loading the weights, {activation_peak / GiB:.2f} GiB for "
             "activations; raise gpu_memory_utilization, lower max_num_batched_tokens, or use a smaller model"

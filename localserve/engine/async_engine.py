@@ -1,0 +1,241 @@
+"""The engine's step loop in one background thread, feeding one asyncio stream per request.
+
+The asyncio side (the HTTP server) never touches torch: it hands requests to the
+thread through a command queue and receives each step's outputs in one batch on its
+event loop. Everything that reads or changes the engine happens on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import LocalserveError
+from .engine import Engine, RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# How often the engine thread refreshes the statistics snapshot while busy.
+_STATS_INTERVAL_S = 0.25
+
+
+class QueueFullError(LocalserveError):
+    """More requests are waiting than the engine accepts; the client should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed in a step (a bug or the device, never the request's input)."""
+
+
+@dataclass(slots=True)
+class RequestSnapshot:
+    request_id: str
+    status: str
+    prompt_tokens: int
+    output_tokens: int
+    age_s: float
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last has ``finished`` set.
+
+    Iterate it with ``async for``; ``close()`` aborts the request if it has not
+    finished (a client hung up), which frees its KV blocks within one engine step.
+    """
+
+    def __init__(self, request_id: str, owner: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            # A step can leave several outputs queued; only the newest matters, as
+            # outputs are cumulative. Skipping stale ones keeps slow clients cheap.
+            while not item.finished and not self._queue.empty():
+                newer = self._queue.get_nowait()
+                if isinstance(newer, BaseException):
+                    self.finished = True
+                    raise newer
+                item = newer
+            self.finished = item.finished
+            yield item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a thread while requests are in flight.
+
+    ``add_request`` must be awaited on the event loop that consumes the streams.
+    """
+
+    def __init__(self, engine: Engine, max_queued_requests: int = 256, name: str = "engine",
+                 memory: dict[str, int | str] | None = None) -> None:
+        self.engine = engine
+        self.memory = memory or {}  # what the model holds, for display (see server/footprint.py)
+        self.max_in_flight = engine.config.max_num_seqs + max_queued_requests
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}  # changed on the engine thread only
+        self._num_adding = 0  # requests handed to the thread but not yet accepted (event loop only)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats: dict[str, Any] = engine.stats()
+        self.requests: list[RequestSnapshot] = []
+        self._stats_time = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"localserve-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams) + self._num_adding
+
+    # -- the event-loop side ------------------------------------------------------------
+
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                          request_id: str | None = None) -> RequestStream:
+        """Queue a request; raises the engine's LocalserveError when it refuses it."""
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+        if self.num_in_flight >= self.max_in_flight:
+            raise QueueFullError(f"{self.num_in_flight} requests are in flight, the most this model queues; "
+                                 "retry shortly")
+        self._loop = loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, self)
+        accepted: asyncio.Future[None] = loop.create_future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id)
+            except Exception as exc:  # LocalserveError (bad input) or a bug: the caller gets it
+                loop.call_soon_threadsafe(_settle, accepted, exc)
+                return
+            self._streams[request_id] = stream
+            loop.call_soon_threadsafe(_settle, accepted, None)
+
+        self._num_adding += 1
+        self._submit(add)
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.finished = True
+            self.abort(request_id)  # runs after the add, so nothing is left behind
+            raise
+        finally:
+            self._num_adding -= 1
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._submit(abort)
+
+    def shutdown(self) -> None:
+        """Stop the thread; requests still in flight end with EngineDeadError."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._fail_all(EngineDeadError("the model was unloaded"))
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._refresh_stats(force=True)
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(EngineDeadError(f"the engine failed: {exc}"))
+                continue
+            self._publish(outputs)
+            self._refresh_stats()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        deliveries = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            deliveries.append((stream, output))
+            if output.finished:
+                del self._streams[output.request_id]
+        if deliveries and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        if streams and self._loop is not None:
+            self._loop.call_soon_threadsafe(_deliver, [(stream, error) for stream in streams])
+
+    def _refresh_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._stats_time < _STATS_INTERVAL_S:
+            return
+        self._stats_time = now
+        self.stats = self.engine.stats()  # a new dict each time: readers never see it half-built
+        self.requests = [
+            RequestSnapshot(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
+                            round(now - r.arrival_time, 3))
+            for r in self.engine.requests.values()
+        ]
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in deliveries:
+        stream._put(item)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

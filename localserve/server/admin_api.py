@@ -1,0 +1,105 @@
+"""The admin API (/api/...) the CLI and dashboard use, /health and /metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import platform
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from .. import __version__
+from .model_manager import LoadedModel, parse_keep_alive
+from .protocol import LoadRequest, UnloadRequest
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.localserve
+
+
+def _iso(timestamp: float | None) -> str | None:
+    if timestamp is None:
+        return None
+    return dt.datetime.fromtimestamp(timestamp, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _keep_alive_seconds(model: LoadedModel) -> float | None:
+    return None if model.keep_alive == float("inf") else model.keep_alive
+
+
+def _running_model(model: LoadedModel) -> dict[str, Any]:
+    return {
+        "name": model.name,
+        "path": str(model.path),
+        "loaded_at": _iso(model.loaded_at),
+        "expires_at": _iso(model.expires_wall()),  # null: in use, or kept loaded forever
+        "keep_alive_s": _keep_alive_seconds(model),
+        "requests_in_flight": model.engine.num_in_flight,
+        "max_model_len": model.max_model_len,
+        "memory": model.engine.memory,
+    }
+
+
+@router.get("/api/ps")
+async def ps(request: Request) -> dict[str, Any]:
+    """Loaded models, their memory on the device and in host RAM, and when they expire."""
+    manager = _state(request).manager
+    return {"models": [_running_model(model) for model in manager.loaded.values()],
+            "loading": [name for name in manager.names() if manager.is_loading(name)]}
+
+
+@router.post("/api/load")
+async def load(request: Request, body: LoadRequest) -> dict[str, Any]:
+    model = await _state(request).manager.load(body.model, keep_alive=parse_keep_alive(body.keep_alive))
+    return _running_model(model)
+
+
+@router.post("/api/unload")
+async def unload(request: Request, body: UnloadRequest) -> dict[str, Any]:
+    manager = _state(request).manager
+    manager.path_of(body.model)  # 404 when unknown
+    return {"model": body.model, "unloaded": await manager.unload(body.model)}
+
+
+@router.get("/api/stats")
+async def stats(request: Request) -> dict[str, Any]:
+    """Everything the dashboard shows, per loaded model."""
+    state = _state(request)
+    models = []
+    for model in state.manager.loaded.values():
+        models.append({
+            **_running_model(model),
+            "engine": model.engine.stats,
+            "requests": [dataclasses.asdict(r) for r in model.engine.requests],
+            "recent": state.metrics.recent_summary(model.name),
+        })
+    return {"version": __version__, "ready": state.ready, "draining": state.guard.draining,
+            "known_models": state.manager.names(), "models": models}
+
+
+@router.get("/api/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__, "python": platform.python_version()}
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.guard.draining:
+        return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+    if not state.ready:
+        return JSONResponse({"status": "starting"}, status_code=503, headers={"Retry-After": "2"})
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

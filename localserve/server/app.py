@@ -1,0 +1,120 @@
+"""The FastAPI application: the daemon's one HTTP listener.
+
+``create_app(config)`` wires the model manager, metrics, the guard middleware and the
+routers together; ``serve.py`` runs it under uvicorn with SIGTERM draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from .. import __version__
+from ..engine.async_engine import AsyncEngine
+from ..engine.config import EngineConfig
+from . import admin_api, errors, openai_api
+from .guard import Guard, GuardState, is_loopback
+from .metrics import Metrics
+from .model_manager import DEFAULT_KEEP_ALIVE_S, ManagerOptions, ModelManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    models: dict[str, Path] = field(default_factory=dict)  # name -> checkpoint path
+    preload: list[str] = field(default_factory=list)  # names loaded at start-up
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    device: str | None = None
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = 32 << 20
+    keep_alive: float = DEFAULT_KEEP_ALIVE_S  # seconds; math.inf keeps forever
+    max_loaded_models: int = 3
+    max_queued_requests: int = 256  # per model, beyond the running batch
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    manager: ModelManager
+    metrics: Metrics
+    guard: GuardState
+    ready: bool = False  # preloading done
+
+    def snapshots(self) -> dict[str, dict]:
+        return {name: model.engine.stats for name, model in self.manager.loaded.items()}
+
+
+def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
+    """The manager's loader: builds an Engine in the calling (worker) thread."""
+
+    def load(name: str, path: Path) -> AsyncEngine:
+        from ..engine.engine import Engine
+        from ..errors import InsufficientMemoryError
+        from .footprint import memory_footprint
+
+        import torch
+
+        try:
+            engine = Engine(path, config.engine, device=config.device, dtype=config.dtype)
+        except torch.OutOfMemoryError as exc:
+            raise InsufficientMemoryError(f"{name}: out of device memory while loading ({exc})") from exc
+        return AsyncEngine(engine, config.max_queued_requests, name, memory_footprint(engine))
+
+    return load
+
+
+def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | None = None) -> FastAPI:
+    """The app for ``config``; ``load`` replaces the engine loader (tests)."""
+    from .footprint import needed_bytes
+
+    options = ManagerOptions(default_keep_alive=config.keep_alive, max_loaded_models=config.max_loaded_models,
+                             needed_bytes=lambda path: needed_bytes(path, config))
+    manager = ModelManager(config.models, load or open_engine(config), options)
+    guard = GuardState(api_key=config.api_key, loopback_only=is_loopback(config.host),
+                       max_body_bytes=config.max_body_bytes)
+    state = ServerState(config, manager, Metrics(lambda: state.snapshots()), guard)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        manager.start()
+        preload = asyncio.create_task(_preload(state))
+        try:
+            yield
+        finally:
+            preload.cancel()
+            await manager.stop()
+
+    app = FastAPI(title="localserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # no pages that load scripts from a CDN
+    app.state.localserve = state
+    errors.install(app)
+    app.include_router(openai_api.router)
+    app.include_router(admin_api.router)
+    app.add_middleware(Guard, state=guard)  # type: ignore[arg-type]
+    if config.cors_origins:
+        # Outermost, so browsers' preflight requests are answered before the key check.
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],  # type: ignore[arg-type]
+                           allow_headers=["Authorization", "Content-Type"])
+    return app
+
+
+async def _preload(state: ServerState) -> None:
+    for name in state.config.preload:
+        try:
+            await state.manager.load(name)
+        except Exception:
+            log.exception("could not preload %s", name)
+    state.ready = True

@@ -1,0 +1,90 @@
+"""Every error the server returns, in OpenAI's JSON shape.
+
+``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 (404 for an
+unknown model), a full queue a 429 and a model that cannot serve yet a 503, both with
+Retry-After. Only a bug is a 500, and its message says so without leaking internals.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..engine.async_engine import EngineDeadError, QueueFullError
+from ..errors import LocalserveError
+from .model_manager import ModelNotFoundError, ModelUnavailableError
+
+log = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_bytes(status: int, message: str, type: str) -> bytes:
+    """The same body, for responses written below FastAPI (the guard middleware)."""
+    return error_response(status, message, type).body
+
+
+def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    location = _param_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                              "invalid_request_error")
+    message = first.get("msg", "invalid request")
+    if location:
+        message = f"{'.'.join(location)}: {message}"
+    return error_response(400, message, "invalid_request_error", ".".join(location) or None)
+
+
+def _param_path(loc: tuple) -> list[str]:
+    """The field path a client sent (``messages.0.content``), without FastAPI's "body"
+    and what pydantic appends for union members and dict keys."""
+    path = []
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
+        if not (isinstance(part, int) or str(part).isidentifier()):
+            break
+        path.append(str(part))
+    return path
+
+
+def _localserve_error(_: Request, exc: Exception) -> JSONResponse:
+    message = str(exc)
+    if isinstance(exc, ModelNotFoundError):
+        return error_response(404, message, "invalid_request_error", "model", "model_not_found")
+    if isinstance(exc, QueueFullError):
+        return error_response(429, message, "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(exc, ModelUnavailableError):
+        return error_response(503, message, "service_unavailable", code="model_unavailable",
+                              headers={"Retry-After": str(exc.retry_after)})
+    return error_response(400, message, "invalid_request_error")
+
+
+def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
+
+
+def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+    return error_response(500, str(exc), "server_error")
+
+
+def _bug(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal server error (a bug: see the server log)", "server_error")
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(LocalserveError, _localserve_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(EngineDeadError, _engine_error)
+    app.add_exception_handler(Exception, _bug)

@@ -1,0 +1,54 @@
+"""How much memory a model takes: measured for a loaded one (``/api/ps``), estimated
+from metadata before a load (so the manager can unload idle models first)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..engine.engine import pick_dtype
+from ..engine.kv_cache import kv_bytes_per_block
+from ..engine.memory import CPU_DEFAULT_KV_MEMORY
+from ..errors import LocalserveError
+from ..formats import open_checkpoint
+from ..planner import weight_sizes
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+    from .app import ServerConfig
+
+
+def memory_footprint(engine: Engine) -> dict[str, int | str]:
+    """Bytes the loaded ``engine`` holds: weights on its device and in host memory
+    (cpu_moe experts), and its KV cache tiers."""
+    weights = weight_sizes(engine.checkpoint, engine.dtype)
+    host_weights = weights.host_expert_bytes(engine.config.cpu_moe_layers(engine.spec.num_layers))
+    block_bytes = kv_bytes_per_block(engine.spec, engine.config.block_size, engine.kv_dtype)
+    return {
+        "device": str(engine.device),
+        "weights_bytes": weights.loaded_bytes - host_weights,
+        "host_weights_bytes": host_weights,
+        "kv_cache_bytes": engine.kv.device.num_blocks * block_bytes,
+        "cpu_kv_cache_bytes": engine.kv.cpu.num_blocks * block_bytes,
+    }
+
+
+def needed_bytes(path: Path, config: ServerConfig) -> int | None:
+    """Host memory a CPU load of ``path`` would take (weights, KV pool, CPU tier);
+    None on a GPU host, where the engine measures free device memory itself."""
+    import torch
+
+    if config.device != "cpu" and (config.device is not None or torch.cuda.is_available()):
+        return None
+    try:
+        checkpoint = open_checkpoint(path)
+    except LocalserveError:
+        return None  # the load itself reports what is wrong with the file
+    engine = config.engine
+    dtype = pick_dtype(config.dtype, checkpoint.spec.torch_dtype, torch.device("cpu"))
+    weights = weight_sizes(checkpoint, dtype).loaded_bytes
+    kv = engine.kv_cache_memory or CPU_DEFAULT_KV_MEMORY
+    if engine.num_kv_blocks is not None:
+        kv_dtype = engine.resolve_kv_cache_dtype(dtype)
+        kv = engine.num_kv_blocks * kv_bytes_per_block(checkpoint.spec, engine.block_size, kv_dtype)
+    return weights + kv + int(engine.cpu_offload_gb * (1 << 30))

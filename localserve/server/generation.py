@@ -1,0 +1,195 @@
+"""From a validated request to engine streams and back: sampling parameters, fan-out
+over prompts and ``n`` choices, merging the choices' streams, and cancelling when the
+client goes away. Knows nothing of the response shapes (openai_api.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from ..engine.async_engine import RequestStream
+from ..engine.engine import RequestOutput
+from ..engine.sampler import TokenLogprobs
+from ..engine.sampling_params import SamplingParams
+from ..tokenizer import Tokenizer
+from .metrics import Metrics
+from .model_manager import LoadedModel
+from .protocol import SamplingFields
+
+T = TypeVar("T")
+# Logprobs of tokens the model thinks impossible are -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was complete."""
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request: choice ``index`` of the response, for prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def sampling_params(body: SamplingFields, prompt_len: int, max_model_len: int, *, wanted_tokens: int | None,
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    seed_offset: int = 0) -> SamplingParams:
+    """The engine's parameters for one choice; without a token limit, the rest of the context."""
+    seed = None if body.seed is None else (body.seed + seed_offset) % (1 << 64)  # choices differ
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        max_tokens=wanted_tokens or max(1, max_model_len - prompt_len),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        seed=seed,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
+    )
+
+
+def choices_for(prompts: list[list[int]], n: int, make_params: callable) -> list[Choice]:  # type: ignore[valid-type]
+    """n choices per prompt, numbered prompt-major as OpenAI does."""
+    return [Choice(p * n + j, p, ids, make_params(ids, j)) for p, ids in enumerate(prompts) for j in range(n)]
+
+
+async def start(model: LoadedModel, choices: list[Choice]) -> list[RequestStream]:
+    """Submit every choice; if one is refused, abort the ones already started."""
+    streams: list[RequestStream] = []
+    try:
+        for choice in choices:
+            streams.append(await model.engine.add_request(choice.prompt_ids, choice.params))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+class Progress:
+    """Watches one choice's outputs for metrics: token gaps and, at the end, timings."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.tokens_seen = 0
+        self.last_time: float | None = None
+
+    def update(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        new = len(output.token_ids) - self.tokens_seen
+        if new > 0:
+            if self.last_time is not None:
+                self.metrics.observe_token_gap(self.model, now - self.last_time, new)
+            self.last_time = now
+            self.tokens_seen += new
+        if output.finished:
+            self.metrics.observe_finished(self.model, output)
+
+
+async def merged(streams: list[RequestStream], progress: list[Progress]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all streams as they arrive; closes them all at the end."""
+    try:
+        if len(streams) == 1:  # the common case needs no tasks
+            async for output in streams[0]:
+                progress[0].update(output)
+                yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            except Exception as exc:
+                queue.put_nowait(exc)
+            queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    progress[item[0]].update(item[1])
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+    finally:
+        for stream in streams:
+            stream.close()
+
+
+async def final_outputs(streams: list[RequestStream], progress: list[Progress]) -> list[RequestOutput]:
+    last: list[RequestOutput | None] = [None] * len(streams)
+    async for index, output in merged(streams, progress):
+        last[index] = output
+    return [output for output in last if output is not None]
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (which aborts its engine requests) if the client
+    disconnects first; then raises ClientGone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def holdback(params: SamplingParams) -> int:
+    """Characters a stream keeps back while unfinished: a stop string may be forming at
+    the end of the text, and the engine cuts it off once complete."""
+    return max(map(len, params.stop), default=1) - 1
+
+
+def token_text(tokenizer: Tokenizer | None, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and bytes, as OpenAI's logprobs show them."""
+    if tokenizer is None:
+        return f"token_id:{token_id}", []
+    data = tokenizer.token_bytes(token_id)
+    return data.decode("utf-8", errors="replace"), list(data)
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def entries(logprobs: list[TokenLogprobs] | None, start: int) -> list[TokenLogprobs]:
+    return list(logprobs[start:]) if logprobs else []

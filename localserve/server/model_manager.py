@@ -1,0 +1,312 @@
+"""Which models are loaded: loading on demand, keep_alive expiry, LRU unloading.
+
+Models are addressed by name. A request for a model that is not loaded loads it
+(concurrent requests share one load); each request's ``keep_alive`` (Ollama's
+semantics) sets how long the model stays loaded once idle: 0 unloads right after the
+response, a negative value keeps it forever. When the loaded-model limit is reached
+or memory runs short, the least recently used idle model is unloaded first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..chat_template import ChatTemplate
+from ..engine.async_engine import AsyncEngine
+from ..errors import InsufficientMemoryError, LocalserveError
+from ..tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP_ALIVE_S = 300.0
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_EXPIRY_CHECK_S = 0.25
+
+
+class ModelNotFoundError(LocalserveError):
+    """No model of that name is known."""
+
+
+class ModelUnavailableError(LocalserveError):
+    """The model cannot serve now (loading, or no room to load it); retry after ``retry_after`` s."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def parse_keep_alive(value: str | float | None) -> float | None:
+    """Seconds an idle model stays loaded; ``math.inf`` for forever, None for "the default".
+
+    Accepts Ollama's forms: a number of seconds (``300``, ``0``, ``-1``) or a Go
+    duration (``"5m"``, ``"1h30m"``, ``"90s"``, ``"-1m"``); negative means forever.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("keep_alive must be a duration, not a boolean")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = sign * float(body)
+        except ValueError:
+            parts = _DURATION_PART.findall(body)
+            if not body or "".join(number + unit for number, unit in parts) != body:
+                raise ValueError(f"keep_alive {value!r} is not a duration (e.g. 300, \"5m\", \"1h30m\", 0, -1)")
+            seconds = sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    if math.isnan(seconds):
+        raise ValueError("keep_alive must be a number of seconds or a duration")
+    return math.inf if seconds < 0 else seconds
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    name: str
+    path: Path
+    engine: AsyncEngine
+    loaded_at: float = field(default_factory=time.time)  # wall clock, for display
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive: float = DEFAULT_KEEP_ALIVE_S
+    expires_at: float | None = None  # monotonic; None while in use or kept forever
+    active: int = 0  # requests being served
+
+    _chat_template: ChatTemplate | None = field(default=None, init=False, repr=False)
+
+    @property
+    def idle(self) -> bool:
+        return self.active == 0
+
+    # What the HTTP layer needs of the model, none of it torch.
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.spec.vocab_size
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.engine.tokenizer
+
+    def tokenizer_or_error(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise LocalserveError(f"model {self.name!r} has no tokenizer; send token ids")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer_or_error().encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer_or_error().decode(ids)
+
+    def chat_template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            self._chat_template = self.engine.engine.checkpoint.chat_template()
+        return self._chat_template
+
+    def expires_wall(self) -> float | None:
+        """The expiry on the wall clock (None: in use or kept forever)."""
+        if self.expires_at is None:
+            return None
+        return time.time() + (self.expires_at - time.monotonic())
+
+
+def read_available_memory() -> int | None:
+    """Host memory the kernel says is available (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class ManagerOptions:
+    default_keep_alive: float = DEFAULT_KEEP_ALIVE_S  # seconds; math.inf keeps forever
+    max_loaded_models: int = 3
+    # Bytes a load would take beyond what is there (None: do not check); see needed_bytes.
+    needed_bytes: Callable[[Path], int | None] = lambda path: None
+    available_bytes: Callable[[], int | None] = read_available_memory
+
+
+class ModelManager:
+    """Owns the loaded models; all methods run on the server's event loop."""
+
+    def __init__(self, sources: dict[str, Path], open_engine: Callable[[str, Path], AsyncEngine],
+                 options: ManagerOptions | None = None) -> None:
+        self.sources = dict(sources)
+        self.options = options or ManagerOptions()
+        self._open_engine = open_engine
+        self.loaded: dict[str, LoadedModel] = {}
+        self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
+        self._expiry_task: asyncio.Task[None] | None = None
+
+    def names(self) -> list[str]:
+        return sorted(self.sources)
+
+    def is_loading(self, name: str) -> bool:
+        return name in self._loading
+
+    def path_of(self, name: str) -> Path:
+        if name not in self.sources:
+            known = ", ".join(self.names()) or "none"
+            raise ModelNotFoundError(f"model {name!r} does not exist (known models: {known})")
+        return self.sources[name]
+
+    # -- serving ------------------------------------------------------------------------
+
+    async def acquire(self, name: str, wait: float | None = None) -> LoadedModel:
+        """The loaded model ``name``, loading it if needed, marked in use until ``release``.
+
+        ``wait``: seconds the caller will wait for a load (None: as long as it takes);
+        past it, ModelUnavailableError with a Retry-After hint.
+        """
+        model = await self.load(name, wait)
+        model.active += 1
+        model.expires_at = None
+        model.last_used = time.monotonic()
+        return model
+
+    def release(self, model: LoadedModel, keep_alive: float | None = None) -> None:
+        """End one request's use; ``keep_alive`` (seconds, inf, or None for the
+        model's current setting) starts counting once the model is idle."""
+        model.active -= 1
+        model.last_used = time.monotonic()
+        if keep_alive is not None:
+            model.keep_alive = keep_alive
+        if model.idle:
+            self._schedule_expiry(model)
+
+    def _schedule_expiry(self, model: LoadedModel) -> None:
+        if model.keep_alive == 0:
+            model.expires_at = time.monotonic()  # the expiry check unloads it unless a request comes first
+            asyncio.get_running_loop().create_task(self._unload_if_expired(model))
+        elif math.isinf(model.keep_alive):
+            model.expires_at = None
+        else:
+            model.expires_at = time.monotonic() + model.keep_alive
+
+    # -- loading and unloading -------------------------------------------------------------
+
+    async def load(self, name: str, wait: float | None = None, keep_alive: float | None = None) -> LoadedModel:
+        """Load ``name`` (or join a load under way); ``keep_alive`` applies from now."""
+        path = self.path_of(name)
+        model = self.loaded.get(name)
+        if model is None:
+            task = self._loading.get(name)
+            if task is None:
+                task = asyncio.get_running_loop().create_task(self._load(name, path))
+                self._loading[name] = task
+                task.add_done_callback(lambda _: self._loading.pop(name, None))
+            try:
+                model = await asyncio.wait_for(asyncio.shield(task), wait)
+            except TimeoutError:
+                raise ModelUnavailableError(f"model {name!r} is loading; retry shortly", retry_after=2) from None
+        if keep_alive is not None:
+            model.keep_alive = keep_alive
+            if model.idle:
+                self._schedule_expiry(model)
+        return model
+
+    async def _load(self, name: str, path: Path) -> LoadedModel:
+        started = time.monotonic()
+        while len(self.loaded) >= self.options.max_loaded_models:
+            await self._unload_lru_idle(f"{len(self.loaded)} models are loaded, the most allowed")
+        await self._make_room(path)
+        while True:
+            try:
+                engine = await asyncio.to_thread(self._open_engine, name, path)
+                break
+            except InsufficientMemoryError as exc:
+                await self._unload_lru_idle(str(exc))
+        model = LoadedModel(name, path, engine, keep_alive=self.options.default_keep_alive)
+        self._schedule_expiry(model)
+        self.loaded[name] = model
+        log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - started)
+        return model
+
+    async def _make_room(self, path: Path) -> None:
+        """Unload idle models (least recently used first) while the estimate of what
+        loading ``path`` takes exceeds the memory available."""
+        needed = self.options.needed_bytes(path)
+        if needed is None:
+            return
+        while (available := self.options.available_bytes()) is not None and needed > available:
+            if not any(model.idle for model in self.loaded.values()):
+                log.warning("loading %s needs ~%d MiB, %d MiB are available; trying anyway", path,
+                            needed >> 20, available >> 20)
+                return
+            await self._unload_lru_idle("memory is short")
+
+    async def _unload_lru_idle(self, reason: str) -> None:
+        idle = [model for model in self.loaded.values() if model.idle]
+        if not idle:
+            raise ModelUnavailableError(f"{reason}, and every loaded model is serving requests; retry shortly",
+                                        retry_after=5)
+        victim = min(idle, key=lambda model: model.last_used)
+        log.info("unloading %s (least recently used) to make room: %s", victim.name, reason)
+        await self.unload(victim.name)
+
+    async def unload(self, name: str) -> bool:
+        """Unload ``name`` now; requests still running on it end with an error."""
+        model = self.loaded.pop(name, None)
+        if model is None:
+            return False
+        await asyncio.to_thread(model.engine.shutdown)
+        del model
+        await asyncio.to_thread(_release_memory)
+        log.info("unloaded %s", name)
+        return True
+
+    async def unload_all(self) -> None:
+        for name in list(self.loaded):
+            await self.unload(name)
+
+    # -- expiry ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._expiry_task = asyncio.get_running_loop().create_task(self._expire_forever())
+
+    async def stop(self) -> None:
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+        for task in list(self._loading.values()):
+            task.cancel()
+        await self.unload_all()
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_EXPIRY_CHECK_S)
+            for model in list(self.loaded.values()):
+                await self._unload_if_expired(model)
+
+    async def _unload_if_expired(self, model: LoadedModel) -> None:
+        expired = model.idle and model.expires_at is not None and model.expires_at <= time.monotonic()
+        if expired and self.loaded.get(model.name) is model:
+            await self.unload(model.name)
+
+
+def _release_memory() -> None:
+    """Return an unloaded model's memory: collect cycles, then empty torch's CUDA cache."""
+    gc.collect()
+    import torch  # only here: the manager itself never computes
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

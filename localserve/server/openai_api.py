@@ -1,0 +1,354 @@
+"""OpenAI's endpoints: /v1/models, /v1/chat/completions, /v1/completions, and vLLM's
+/tokenize and /detokenize. Streams are server-sent events, one per generated chunk,
+ending with ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine.engine import RequestOutput
+from ..engine.sampler import TokenLogprobs
+from ..errors import LocalserveError
+from . import generation as gen
+from .model_manager import LoadedModel, parse_keep_alive
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.localserve
+
+
+def _wait_seconds(request: Request) -> float | None:
+    """``Prefer: wait=N`` (RFC 7240): answer within N seconds, so a model still loading
+    gets a 503 with Retry-After instead of a wait. Absent: wait for the load."""
+    for part in request.headers.get("prefer", "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == "wait":
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                raise LocalserveError(f"Prefer: wait={value!r} is not a number of seconds") from None
+    return None
+
+
+async def _acquire(request: Request, name: str) -> LoadedModel:
+    return await _state(request).manager.acquire(name, _wait_seconds(request))
+
+
+# -- models -----------------------------------------------------------------------------
+
+def _model_card(request: Request, name: str) -> dict[str, Any]:
+    manager = _state(request).manager
+    model = manager.loaded.get(name)
+    card: dict[str, Any] = {"id": name, "object": "model", "owned_by": "localserve",
+                            "created": int(model.loaded_at if model else manager.path_of(name).stat().st_mtime)}
+    if model is not None:
+        card["max_model_len"] = model.max_model_len
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request, name) for name in _state(request).manager.names()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> dict[str, Any]:
+    _state(request).manager.path_of(model_id)  # 404 when unknown
+    return _model_card(request, model_id)
+
+
+# -- chat completions ---------------------------------------------------------------------
+
+def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool,
+                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    plain = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
+    text = model.chat_template().render(plain, add_generation_prompt=add_generation_prompt, tools=tools)
+    if continue_final_message:
+        # The reply continues the final assistant message: drop what the template
+        # appends after its content (end-of-turn tokens).
+        final = messages[-1].text() or ""
+        end = text.rfind(final)
+        if end >= 0:
+            text = text[: end + len(final)]
+    # The template writes BOS itself where the model wants it.
+    return model.tokenizer_or_error().encode(text, add_special_tokens=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    keep_alive = parse_keep_alive(body.keep_alive)
+    state = _state(request)
+    model = await _acquire(request, body.model)
+    released = False
+    try:
+        prompt_ids = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
+                                  body.tools)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        choices = gen.choices_for([prompt_ids], body.n, lambda ids, j: gen.sampling_params(
+            body, len(ids), model.max_model_len, wanted_tokens=body.wanted_tokens(), logprobs=top, seed_offset=j))
+        streams = await gen.start(model, choices)
+        progress = [gen.Progress(state.metrics, model.name) for _ in streams]
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            chunks = _chat_chunks(model, body, choices, gen.merged(streams, progress), response_id)
+            released = True  # the stream releases the model when it ends
+            return _sse(chunks, lambda: state.manager.release(model, keep_alive))
+        outputs = await gen.unless_disconnected(request, gen.final_outputs(streams, progress))
+        return JSONResponse(_chat_response(model, body, choices, outputs, response_id))
+    except gen.ClientGone:
+        return Response(status_code=499)
+    finally:
+        if not released:
+            state.manager.release(model, keep_alive)
+
+
+def _chat_logprobs(model: LoadedModel, logprobs: list[TokenLogprobs]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text, data = gen.token_text(model.tokenizer, token_id)
+        return {"token": text, "logprob": gen.clamp(logprob), "bytes": data}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _chat_response(model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice],
+                   outputs: list[RequestOutput], response_id: str) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+        "choices": [{
+            "index": choice.index,
+            "message": {"role": "assistant", "content": output.text},
+            "logprobs": _chat_logprobs(model, output.logprobs or []) if body.logprobs else None,
+            "finish_reason": output.finish_reason,
+        } for choice, output in zip(choices, outputs)],
+        "usage": _usage(len(choices[0].prompt_ids), sum(len(o.token_ids) for o in outputs)),
+    }
+
+
+async def _chat_chunks(model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice],
+                       outputs: AsyncIterator[tuple[int, RequestOutput]], response_id: str) -> AsyncIterator[dict]:
+    created = int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: dict | None = None,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        data = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+        if include_usage:
+            data["usage"] = None
+        return data
+
+    for choice in choices:
+        yield chunk(choice.index, {"role": "assistant", "content": ""})
+    sent = [_Sent() for _ in choices]
+    completion_tokens = 0
+    async for index, output in outputs:
+        text, new_logprobs = sent[index].advance(output, choices[index].params)
+        if output.finished:
+            completion_tokens += len(output.token_ids)
+        if text or output.finished or new_logprobs:
+            logprobs = _chat_logprobs(model, new_logprobs) if body.logprobs else None
+            yield chunk(choices[index].index, {"content": text} if text or not output.finished else {},
+                        logprobs, output.finish_reason if output.finished else None)
+    if include_usage:
+        yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
+               "choices": [], "usage": _usage(len(choices[0].prompt_ids), completion_tokens)}
+
+
+class _Sent:
+    """How much of one choice's cumulative text and tokens a stream has sent."""
+
+    __slots__ = ("chars", "tokens")
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.tokens = 0
+
+    def advance(self, output: RequestOutput, params: Any) -> tuple[str, list[TokenLogprobs]]:
+        """The text and logprobs not sent yet; keeps back a possible stop string's start."""
+        end = len(output.text) if output.finished else len(output.text) - gen.holdback(params)
+        text = output.text[self.chars : end] if end > self.chars else ""
+        self.chars = max(self.chars, end)
+        logprobs = gen.entries(output.logprobs, self.tokens)
+        self.tokens = len(output.token_ids)
+        return text, logprobs
+
+
+def _sse(chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for data in chunks:
+                yield b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+        except LocalserveError as exc:
+            # Headers are out: report in-band, as OpenAI's servers do mid-stream.
+            error = {"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}}
+            yield b"data: " + json.dumps(error).encode() + b"\n\n"
+        finally:
+            on_close()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# -- text completions ---------------------------------------------------------------------
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    if body.suffix is not None:
+        raise LocalserveError("suffix is not supported")
+    keep_alive = parse_keep_alive(body.keep_alive)
+    state = _state(request)
+    model = await _acquire(request, body.model)
+    released = False
+    try:
+        prompts = [model.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        texts = [p if isinstance(p, str) else None for p in body.prompts()]
+        echo_logprobs = body.logprobs if body.echo else None
+        choices = gen.choices_for(prompts, body.n, lambda ids, j: gen.sampling_params(
+            body, len(ids), model.max_model_len, wanted_tokens=body.wanted_tokens(), logprobs=body.logprobs,
+            prompt_logprobs=echo_logprobs, seed_offset=j))
+        streams = await gen.start(model, choices)
+        progress = [gen.Progress(state.metrics, model.name) for _ in streams]
+        shaper = _CompletionShaper(model, body, choices, texts, f"cmpl-{uuid.uuid4().hex}")
+        if body.stream:
+            released = True
+            return _sse(shaper.chunks(gen.merged(streams, progress)), lambda: state.manager.release(model, keep_alive))
+        outputs = await gen.unless_disconnected(request, gen.final_outputs(streams, progress))
+        return JSONResponse(shaper.response(outputs))
+    except gen.ClientGone:
+        return Response(status_code=499)
+    finally:
+        if not released:
+            state.manager.release(model, keep_alive)
+
+
+class _CompletionShaper:
+    """Builds /v1/completions bodies: echo and OpenAI's legacy logprobs layout."""
+
+    def __init__(self, model: LoadedModel, body: CompletionRequest, choices: list[gen.Choice],
+                 texts: list[str | None], response_id: str) -> None:
+        self.model, self.body, self.choices, self.texts = model, body, choices, texts
+        self.response_id = response_id
+        self.created = int(time.time())
+
+    def prompt_text(self, choice: gen.Choice) -> str:
+        text = self.texts[choice.prompt_index]
+        return text if text is not None else self.model.decode(choice.prompt_ids)
+
+    def logprobs(self, choice: gen.Choice, output: RequestOutput, start: int, offset: int,
+                 with_prompt: bool) -> dict[str, Any] | None:
+        """Legacy logprobs of output tokens from ``start`` (and of the prompt when echoing),
+        text offsets counted from ``offset``."""
+        if self.body.logprobs is None:
+            return None
+        rows: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
+        if with_prompt:
+            rows.append((choice.prompt_ids[0], None, None))
+            rows += [(lp.token_id, lp.logprob, lp.top) for lp in output.prompt_logprobs or []]
+        rows += [(lp.token_id, lp.logprob, lp.top) for lp in gen.entries(output.logprobs, start)]
+        tokens, offsets = [], []
+        for token_id, _, _ in rows:
+            text, _ = gen.token_text(self.model.tokenizer, token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else gen.clamp(lp) for _, lp, _ in rows],
+            "top_logprobs": [None if top is None else
+                             {gen.token_text(self.model.tokenizer, t)[0]: gen.clamp(v) for t, v in top}
+                             for _, _, top in rows],
+            "text_offset": offsets,
+        }
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for choice, output in zip(self.choices, outputs):
+            prefix = self.prompt_text(choice) if self.body.echo else ""
+            choices.append({"index": choice.index, "text": prefix + output.text,
+                            "logprobs": self.logprobs(choice, output, 0, 0, self.body.echo),
+                            "finish_reason": output.finish_reason})
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.body.model, "choices": choices, "usage": self.usage(outputs)}
+
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
+        prompt_tokens = sum(len(self.choices[p * self.body.n].prompt_ids) for p in range(len(self.texts)))
+        return _usage(prompt_tokens, sum(len(o.token_ids) for o in outputs))
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        sent = [_Sent() for _ in self.choices]
+        echo_pending = [self.body.echo for _ in self.choices]  # the first chunk carries the prompt
+        token_chars = [0 for _ in self.choices]  # text_offset of the next token
+        finals: list[RequestOutput] = []
+        async for index, output in outputs:
+            choice = self.choices[index]
+            start = sent[index].tokens
+            text, new_logprobs = sent[index].advance(output, choice.params)
+            with_prompt = echo_pending[index]
+            if with_prompt:
+                text = self.prompt_text(choice) + text
+                echo_pending[index] = False
+            if output.finished:
+                finals.append(output)
+            if not (text or output.finished or new_logprobs):
+                continue
+            logprobs = self.logprobs(choice, output, start, token_chars[index], with_prompt)
+            if logprobs and logprobs["tokens"]:
+                token_chars[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            data = {"id": self.response_id, "object": "text_completion", "created": self.created,
+                    "model": self.body.model,
+                    "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
+                                 "finish_reason": output.finish_reason if output.finished else None}]}
+            if include_usage:
+                data["usage"] = None
+            yield data
+        if include_usage:
+            yield {"id": self.response_id, "object": "text_completion", "created": self.created,
+                   "model": self.body.model, "choices": [], "usage": self.usage(finals)}
+
+
+# -- tokenize / detokenize ------------------------------------------------------------------
+
+@router.post("/tokenize")
+async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
+    model = await _acquire(request, body.model)
+    try:
+        if body.messages is not None:
+            tokens = _render_chat(model, body.messages, body.add_generation_prompt)
+        else:
+            tokens = model.tokenizer_or_error().encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
+    finally:
+        _state(request).manager.release(model)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
+    model = await _acquire(request, body.model)
+    try:
+        if any(token >= model.vocab_size for token in body.tokens):
+            raise LocalserveError(f"token ids must be in [0, {model.vocab_size})")
+        return {"prompt": model.decode(body.tokens)}
+    finally:
+        _state(request).manager.release(model)
+

@@ -1,0 +1,184 @@
+"""Request bodies of the HTTP API, validated strictly (a string is never a number).
+
+OpenAI's fields with OpenAI's ranges, plus the extra sampling fields vLLM accepts, so
+clients and benchmark tools written for either work unchanged. Unknown fields are
+ignored, as OpenAI and vLLM do. Every list and string a client sends is bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .model_manager import parse_keep_alive
+
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_MESSAGES = 4096
+MAX_STOP = 16
+MAX_N = 16
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_TEXT = 4 << 20  # characters in one string; the body limit bounds the total too
+
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(min_length=1, max_length=1 << 20)]
+
+def _check_keep_alive(value: str | float | None) -> str | float | None:
+    parse_keep_alive(value)  # raises ValueError naming the accepted forms
+    return value
+
+
+# Ollama's: how long the model stays loaded after this request ("5m", 300, 0, -1)
+KeepAlive = Annotated[Annotated[str, Field(max_length=64)] | float | None, AfterValidator(_check_keep_alive)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: Annotated[str, Field(max_length=1024)] | Annotated[
+        list[Annotated[str, Field(max_length=1024)]], Field(max_length=MAX_STOP)] | None = None
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    user: Annotated[str, Field(max_length=512)] | None = None
+    # vLLM's extra sampling parameters
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    keep_alive: KeepAlive = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, not {key[:40]!r}")
+        return bias
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        return self
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Annotated[str, Field(max_length=512)] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=512)] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _logprob_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt: false and a final assistant "
+                             "message")
+        return self
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    suffix: None = None  # insertion is not supported: rejected when given
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def wanted_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    tokens: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1 << 20)]
+
+
+class LoadRequest(_Strict):
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    keep_alive: KeepAlive = None
+
+
+class UnloadRequest(_Strict):
+    model: Annotated[str, Field(min_length=1, max_length=512)]

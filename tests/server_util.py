@@ -1,0 +1,77 @@
+"""A real localserve HTTP server in a background thread, for tests that need sockets
+(the openai SDK, disconnects, concurrency)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from localserve.engine.config import EngineConfig
+from localserve.server.app import ServerConfig, create_app
+
+from .conftest import STORIES_HF
+
+# A plain template, so the real trained stories model can chat.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def stories_with_template(root: Path) -> Path:
+    """stories260K-hf (linked from ../shared, not copied) with a chat template added."""
+    folder = root / "stories"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).symlink_to(STORIES_HF / name)
+    config = json.loads((STORIES_HF / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def small_engine_config(**overrides: object) -> EngineConfig:
+    return EngineConfig(**{"kv_cache_memory": 64 << 20, "max_num_seqs": 64, **overrides})  # type: ignore[arg-type]
+
+
+class RunningServer:
+    def __init__(self, config: ServerConfig, **app_options: object) -> None:
+        self.app = create_app(config, **app_options)  # type: ignore[arg-type]
+        self.state = self.app.state.localserve
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not (self.server.started and (self.state.ready or not wait_ready)):
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@contextmanager
+def running_server(config: ServerConfig, wait_ready: bool = True, **app_options: object) -> Iterator[RunningServer]:
+    server = RunningServer(config, **app_options)
+    server.start(wait_ready)
+    try:
+        yield server
+    finally:
+        server.stop()
