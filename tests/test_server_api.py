@@ -199,17 +199,33 @@ def test_disconnects_free_every_block(server, client: openai.OpenAI) -> None:  #
                     if events == 3:
                         return  # closing the response hangs up mid-stream
 
-    async def run() -> None:
-        await asyncio.gather(*(hang_up(i) for i in range(20)))
+    async def time_out(i: int) -> None:  # not streaming: the client gives up waiting
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as http:
+            body = {"model": "stories", "prompt": f"Once upon a time {i}", "max_tokens": 400, "ignore_eos": True}
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post("/v1/completions", json=body)
 
-    asyncio.run(run())
     engine = server.state.manager.loaded["stories"].engine
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (engine.num_in_flight or engine.stats["kv_blocks_used"]):
-        time.sleep(0.05)
-    assert engine.num_in_flight == 0
-    assert engine.stats["kv_blocks_used"] == 0
-    assert engine.stats["num_running"] == 0
+
+    def run_clients(client_count: int, client) -> int:  # type: ignore[no-untyped-def]
+        """Tokens generated for ``client_count`` clients that leave early, once all is idle."""
+        before = engine.engine.num_generated_tokens_total
+
+        async def run() -> None:
+            await asyncio.gather(*(client(i) for i in range(client_count)))
+
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (engine.num_in_flight or engine.stats["kv_blocks_used"]):
+            time.sleep(0.05)
+        assert engine.num_in_flight == 0
+        assert engine.stats["kv_blocks_used"] == 0
+        assert engine.stats["num_running"] == 0
+        return engine.engine.num_generated_tokens_total - before
+
+    # Aborted, not run to the end: far fewer than the 400 tokens each asked for.
+    assert run_clients(20, hang_up) < 20 * 400 / 4
+    assert run_clients(5, time_out) < 5 * 400 / 4
     completion = client.completions.create(model="stories", prompt="Once upon a time", max_tokens=10, temperature=0)
     assert STORY.startswith(completion.choices[0].text)
 

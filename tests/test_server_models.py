@@ -95,6 +95,7 @@ def test_admin_load_unload_stats(model_path: Path) -> None:
         assert stats["known_models"] == ["a", "b"] and stats["ready"] is True
         (model,) = stats["models"]
         assert model["engine"]["num_generated_tokens_total"] >= 3
+        assert model["engine"]["generation_tokens_per_s"] > 0
         assert model["recent"]["requests"] == 1 and model["recent"]["ttft_ms_median"] > 0
         assert httpx.post(f"{url}/api/unload", json={"model": "a"}).json() == {"model": "a", "unloaded": True}
         assert loaded(url) == []
@@ -185,3 +186,19 @@ def test_limit_reached_with_every_model_busy_is_503() -> None:
         assert raised.value.retry_after > 0
 
     asyncio.run(run())
+
+
+def test_full_queue_is_429(model_path: Path) -> None:
+    config = config_for(model_path, engine=small_engine_config(max_num_seqs=1), max_queued_requests=0)
+    with running_server(config) as server:
+        assert complete(server.url, "a").status_code == 200  # loaded
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+                body = {"model": "a", "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+                return list(await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(4))))
+
+        statuses = sorted(response.status_code for response in asyncio.run(run()))
+        assert statuses[0] == 200 and statuses[-1] == 429
+        refused = next(r for r in asyncio.run(run()) if r.status_code == 429)
+        assert refused.headers["retry-after"] and refused.json()["error"]["code"] == "queue_full"

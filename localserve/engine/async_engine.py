@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +24,10 @@ from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# How often the engine thread refreshes the statistics snapshot while busy.
+# How often the engine thread refreshes the statistics snapshot while busy, and the
+# window its token rates are measured over.
 _STATS_INTERVAL_S = 0.25
+_RATE_WINDOW_S = 10.0
 
 
 class QueueFullError(LocalserveError):
@@ -48,42 +51,45 @@ class RequestStream:
     """The outputs of one request, in order; the last has ``finished`` set.
 
     Iterate it with ``async for``; ``close()`` aborts the request if it has not
-    finished (a client hung up), which frees its KV blocks within one engine step.
+    finished (a client hung up), which frees its KV blocks within one engine step,
+    and ends any iteration waiting on it.
     """
 
     def __init__(self, request_id: str, owner: AsyncEngine) -> None:
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+        # Outputs, an error from the engine, or None once closed.
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self.finished = False  # the last output arrived, the engine failed, or closed
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def _put(self, item: RequestOutput | BaseException | None) -> None:
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
+        while True:
             item = await self._queue.get()
+            # A step can leave several outputs queued; only the newest matters, as
+            # outputs are cumulative. Skipping stale ones keeps slow clients cheap.
+            while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+                item = self._queue.get_nowait()
+            if item is None:
+                return
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
-            # A step can leave several outputs queued; only the newest matters, as
-            # outputs are cumulative. Skipping stale ones keeps slow clients cheap.
-            while not item.finished and not self._queue.empty():
-                newer = self._queue.get_nowait()
-                if isinstance(newer, BaseException):
-                    self.finished = True
-                    raise newer
-                item = newer
             self.finished = item.finished
             yield item
+            if item.finished:
+                return
 
     def close(self) -> None:
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
+        self._put(None)
 
 
 class AsyncEngine:
@@ -103,9 +109,11 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # changed on the engine thread only
         self._num_adding = 0  # requests handed to the thread but not yet accepted (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats: dict[str, Any] = engine.stats()
+        self.stats: dict[str, Any] = {}
         self.requests: list[RequestSnapshot] = []
         self._stats_time = 0.0
+        self._token_counts: deque[tuple[float, int, int]] = deque()  # (time, prompt, generated) totals
+        self._refresh_stats(force=True)
         self._thread = threading.Thread(target=self._run, name=f"localserve-{name}", daemon=True)
         self._thread.start()
 
@@ -219,7 +227,16 @@ class AsyncEngine:
         if not force and now - self._stats_time < _STATS_INTERVAL_S:
             return
         self._stats_time = now
-        self.stats = self.engine.stats()  # a new dict each time: readers never see it half-built
+        stats = self.engine.stats()
+        counts = self._token_counts
+        counts.append((now, stats["num_prompt_tokens_total"], stats["num_generated_tokens_total"]))
+        while now - counts[0][0] > _RATE_WINDOW_S:
+            counts.popleft()
+        then, prompt, generated = counts[0]
+        elapsed = max(now - then, _STATS_INTERVAL_S)
+        stats["prompt_tokens_per_s"] = round((stats["num_prompt_tokens_total"] - prompt) / elapsed, 1)
+        stats["generation_tokens_per_s"] = round((stats["num_generated_tokens_total"] - generated) / elapsed, 1)
+        self.stats = stats  # a new dict each time: readers never see it half-built
         self.requests = [
             RequestSnapshot(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
                             round(now - r.arrival_time, 3))

@@ -145,11 +145,21 @@ async def merged(streams: list[RequestStream], progress: list[Progress]) -> Asyn
             stream.close()
 
 
-async def final_outputs(streams: list[RequestStream], progress: list[Progress]) -> list[RequestOutput]:
-    last: list[RequestOutput | None] = [None] * len(streams)
-    async for index, output in merged(streams, progress):
-        last[index] = output
-    return [output for output in last if output is not None]
+async def final_outputs(request: Request, streams: list[RequestStream], progress: list[Progress]) -> list[RequestOutput]:
+    """Every stream's last output; if the client disconnects first, aborts them all and
+    raises ClientGone."""
+
+    async def collect() -> list[RequestOutput]:
+        last: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in merged(streams, progress):
+            last[index] = output
+        return [output for output in last if output is not None]
+
+    try:
+        return await unless_disconnected(request, collect())
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

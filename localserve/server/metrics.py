@@ -34,8 +34,8 @@ _COUNTERS = [
     ("num_prompt_tokens_total", "prompt_tokens", "Prompt tokens computed (cached prefixes excluded)"),
     ("num_generated_tokens_total", "generation_tokens", "Tokens generated"),
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks"),
-    ("prefix_cache_queries", "prefix_cache_queries", "Full prompt blocks looked up in the prefix cache"),
-    ("prefix_cache_hits", "prefix_cache_hits", "Full prompt blocks found in the prefix cache"),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
 ]
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..engine.async_engine import RequestStream
 from ..engine.engine import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
@@ -105,8 +106,8 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         if body.stream:
             chunks = _chat_chunks(model, body, choices, gen.merged(streams, progress), response_id)
             released = True  # the stream releases the model when it ends
-            return _sse(chunks, lambda: state.manager.release(model, keep_alive))
-        outputs = await gen.unless_disconnected(request, gen.final_outputs(streams, progress))
+            return _sse(chunks, streams, lambda: state.manager.release(model, keep_alive))
+        outputs = await gen.final_outputs(request, streams, progress)
         return JSONResponse(_chat_response(model, body, choices, outputs, response_id))
     except gen.ClientGone:
         return Response(status_code=499)
@@ -192,8 +193,18 @@ class _Sent:
         return text, logprobs
 
 
-def _sse(chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> StreamingResponse:
-    async def events() -> AsyncIterator[bytes]:
+class _EventStream(StreamingResponse):
+    """Server-sent events that end with ``data: [DONE]``. However the response ends
+    (completed, client gone before or during the stream), ``on_close`` runs once: it
+    aborts what is unfinished and releases the model."""
+
+    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> None:
+        super().__init__(self._events(chunks), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    @staticmethod
+    async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         try:
             async for data in chunks:
                 yield b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
@@ -201,12 +212,22 @@ def _sse(chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> Streaming
             # Headers are out: report in-band, as OpenAI's servers do mid-stream.
             error = {"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}}
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
-        finally:
-            on_close()
         yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream], release: Callable[[], None]) -> _EventStream:
+    def on_close() -> None:
+        for stream in streams:
+            stream.close()
+        release()
+
+    return _EventStream(chunks, on_close)
 
 
 # -- text completions ---------------------------------------------------------------------
@@ -231,8 +252,9 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
         shaper = _CompletionShaper(model, body, choices, texts, f"cmpl-{uuid.uuid4().hex}")
         if body.stream:
             released = True
-            return _sse(shaper.chunks(gen.merged(streams, progress)), lambda: state.manager.release(model, keep_alive))
-        outputs = await gen.unless_disconnected(request, gen.final_outputs(streams, progress))
+            return _sse(shaper.chunks(gen.merged(streams, progress)), streams,
+                        lambda: state.manager.release(model, keep_alive))
+        outputs = await gen.final_outputs(request, streams, progress)
         return JSONResponse(shaper.response(outputs))
     except gen.ClientGone:
         return Response(status_code=499)
