@@ -19,7 +19,9 @@ from ..engine.sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from .metrics import Metrics
 from .model_manager import LoadedModel
-from .protocol import SamplingFields
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+GenerationRequest = ChatCompletionRequest | CompletionRequest
 
 T = TypeVar("T")
 # Logprobs of tokens the model thinks impossible are -inf, which JSON cannot carry.
@@ -40,14 +42,13 @@ class Choice:
     params: SamplingParams
 
 
-def sampling_params(body: SamplingFields, prompt_len: int, max_model_len: int, *, wanted_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None,
+def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int,
                     seed_offset: int = 0) -> SamplingParams:
     """The engine's parameters for one choice; without a token limit, the rest of the context."""
     seed = None if body.seed is None else (body.seed + seed_offset) % (1 << 64)  # choices differ
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
-        max_tokens=wanted_tokens or max(1, max_model_len - prompt_len),
+        max_tokens=body.wanted_tokens() or max(1, max_model_len - prompt_len),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
@@ -61,16 +62,18 @@ def sampling_params(body: SamplingFields, prompt_len: int, max_model_len: int, *
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
+        logprobs=body.wanted_logprobs(),
+        prompt_logprobs=body.wanted_prompt_logprobs(),
         skip_special_tokens=body.skip_special_tokens,
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
     )
 
 
-def choices_for(prompts: list[list[int]], n: int, make_params: callable) -> list[Choice]:  # type: ignore[valid-type]
-    """n choices per prompt, numbered prompt-major as OpenAI does."""
-    return [Choice(p * n + j, p, ids, make_params(ids, j)) for p, ids in enumerate(prompts) for j in range(n)]
+def choices_for(body: GenerationRequest, prompts: list[list[int]], max_model_len: int) -> list[Choice]:
+    """``body.n`` choices per prompt, numbered prompt-major as OpenAI does."""
+    n = body.n
+    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, seed_offset=j))
+            for p, ids in enumerate(prompts) for j in range(n)]
 
 
 async def start(model: LoadedModel, choices: list[Choice]) -> list[RequestStream]:

@@ -90,27 +90,34 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    def prompts(model: LoadedModel) -> list[list[int]]:
+        return [_render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
+                             body.tools)]
+
+    return await _generate(request, body, prompts, lambda model, choices: _ChatShaper(model, body, choices))
+
+
+async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
+                    prompts: Callable[[LoadedModel], list[list[int]]],
+                    shaper: Callable[[LoadedModel, list[gen.Choice]], _ChatShaper | _CompletionShaper]) -> Response:
+    """Acquire the model, run every choice, answer as one body or a stream of events;
+    the model is released when the response ends, however it ends."""
     keep_alive = parse_keep_alive(body.keep_alive)
     state = _state(request)
     model = await _acquire(request, body.model)
     released = False
     try:
-        prompt_ids = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
-                                  body.tools)
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        choices = gen.choices_for([prompt_ids], body.n, lambda ids, j: gen.sampling_params(
-            body, len(ids), model.max_model_len, wanted_tokens=body.wanted_tokens(), logprobs=top, seed_offset=j))
+        choices = gen.choices_for(body, prompts(model), model.max_model_len)
         streams = await gen.start(model, choices)
         progress = [gen.Progress(state.metrics, model.name) for _ in streams]
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        shape = shaper(model, choices)
         if body.stream:
-            chunks = _chat_chunks(model, body, choices, gen.merged(streams, progress), response_id)
-            released = True  # the stream releases the model when it ends
-            return _sse(chunks, streams, lambda: state.manager.release(model, keep_alive))
-        outputs = await gen.final_outputs(request, streams, progress)
-        return JSONResponse(_chat_response(model, body, choices, outputs, response_id))
+            released = True  # by the stream, when it ends
+            return _sse(shape.chunks(gen.merged(streams, progress)), streams,
+                        lambda: state.manager.release(model, keep_alive))
+        return JSONResponse(shape.response(await gen.final_outputs(request, streams, progress)))
     except gen.ClientGone:
-        return Response(status_code=499)
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
     finally:
         if not released:
             state.manager.release(model, keep_alive)
@@ -130,48 +137,70 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _chat_response(model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice],
-                   outputs: list[RequestOutput], response_id: str) -> dict[str, Any]:
-    return {
-        "id": response_id, "object": "chat.completion", "created": int(time.time()), "model": body.model,
-        "choices": [{
-            "index": choice.index,
-            "message": {"role": "assistant", "content": output.text},
-            "logprobs": _chat_logprobs(model, output.logprobs or []) if body.logprobs else None,
-            "finish_reason": output.finish_reason,
-        } for choice, output in zip(choices, outputs)],
-        "usage": _usage(len(choices[0].prompt_ids), sum(len(o.token_ids) for o in outputs)),
-    }
+class _Shaper:
+    """What both endpoints' bodies and stream chunks share."""
 
+    chunk_object: str
+    id_prefix: str
 
-async def _chat_chunks(model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice],
-                       outputs: AsyncIterator[tuple[int, RequestOutput]], response_id: str) -> AsyncIterator[dict]:
-    created = int(time.time())
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    def __init__(self, model: LoadedModel, body: ChatCompletionRequest | CompletionRequest,
+                 choices: list[gen.Choice]) -> None:
+        self.model, self.choices = model, choices
+        self.response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model_name = body.model
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def chunk(index: int, delta: dict[str, Any], logprobs: dict | None = None,
-              finish_reason: str | None = None) -> dict[str, Any]:
-        data = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-        if include_usage:
-            data["usage"] = None
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        data: dict[str, Any] = {"id": self.response_id, "object": self.chunk_object, "created": self.created,
+                                "model": self.model_name, "choices": choices}
+        if self.include_usage:
+            data["usage"] = usage  # null on every chunk but the last, as OpenAI sends
         return data
 
-    for choice in choices:
-        yield chunk(choice.index, {"role": "assistant", "content": ""})
-    sent = [_Sent() for _ in choices]
-    completion_tokens = 0
-    async for index, output in outputs:
-        text, new_logprobs = sent[index].advance(output, choices[index].params)
-        if output.finished:
-            completion_tokens += len(output.token_ids)
-        if text or output.finished or new_logprobs:
-            logprobs = _chat_logprobs(model, new_logprobs) if body.logprobs else None
-            yield chunk(choices[index].index, {"content": text} if text or not output.finished else {},
-                        logprobs, output.finish_reason if output.finished else None)
-    if include_usage:
-        yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": body.model,
-               "choices": [], "usage": _usage(len(choices[0].prompt_ids), completion_tokens)}
+
+class _ChatShaper(_Shaper):
+    """Builds /v1/chat/completions bodies and stream chunks."""
+
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice]) -> None:
+        super().__init__(model, body, choices)
+        self.body = body
+
+    def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
+        return _chat_logprobs(self.model, logprobs) if self.body.logprobs else None
+
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
+        return _usage(len(self.choices[0].prompt_ids), sum(len(o.token_ids) for o in outputs))
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return {
+            "id": self.response_id, "object": "chat.completion", "created": self.created, "model": self.model_name,
+            "choices": [{"index": choice.index, "message": {"role": "assistant", "content": output.text},
+                         "logprobs": self.logprobs(output.logprobs or []), "finish_reason": output.finish_reason}
+                        for choice, output in zip(self.choices, outputs)],
+            "usage": self.usage(outputs),
+        }
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        for choice in self.choices:
+            yield self.chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}])
+        sent = [_Sent() for _ in self.choices]
+        finals: list[RequestOutput] = []
+        async for index, output in outputs:
+            choice = self.choices[index]
+            text, new_logprobs = sent[index].advance(output, choice.params)
+            if output.finished:
+                finals.append(output)
+            if text or output.finished or new_logprobs:
+                yield self.chunk([{"index": choice.index, "delta": {"content": text} if text else {},
+                                   "logprobs": self.logprobs(new_logprobs),
+                                   "finish_reason": output.finish_reason if output.finished else None}])
+        if self.include_usage:
+            yield self.chunk([], self.usage(finals))
 
 
 class _Sent:
@@ -236,41 +265,25 @@ def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream], release: Cal
 async def completions(request: Request, body: CompletionRequest) -> Response:
     if body.suffix is not None:
         raise LocalserveError("suffix is not supported")
-    keep_alive = parse_keep_alive(body.keep_alive)
-    state = _state(request)
-    model = await _acquire(request, body.model)
-    released = False
-    try:
-        prompts = [model.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-        texts = [p if isinstance(p, str) else None for p in body.prompts()]
-        echo_logprobs = body.logprobs if body.echo else None
-        choices = gen.choices_for(prompts, body.n, lambda ids, j: gen.sampling_params(
-            body, len(ids), model.max_model_len, wanted_tokens=body.wanted_tokens(), logprobs=body.logprobs,
-            prompt_logprobs=echo_logprobs, seed_offset=j))
-        streams = await gen.start(model, choices)
-        progress = [gen.Progress(state.metrics, model.name) for _ in streams]
-        shaper = _CompletionShaper(model, body, choices, texts, f"cmpl-{uuid.uuid4().hex}")
-        if body.stream:
-            released = True
-            return _sse(shaper.chunks(gen.merged(streams, progress)), streams,
-                        lambda: state.manager.release(model, keep_alive))
-        outputs = await gen.final_outputs(request, streams, progress)
-        return JSONResponse(shaper.response(outputs))
-    except gen.ClientGone:
-        return Response(status_code=499)
-    finally:
-        if not released:
-            state.manager.release(model, keep_alive)
+    texts = [p if isinstance(p, str) else None for p in body.prompts()]
+
+    def prompts(model: LoadedModel) -> list[list[int]]:
+        return [model.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+
+    return await _generate(request, body, prompts,
+                           lambda model, choices: _CompletionShaper(model, body, choices, texts))
 
 
-class _CompletionShaper:
-    """Builds /v1/completions bodies: echo and OpenAI's legacy logprobs layout."""
+class _CompletionShaper(_Shaper):
+    """Builds /v1/completions bodies and stream chunks: echo and OpenAI's legacy logprobs."""
+
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
 
     def __init__(self, model: LoadedModel, body: CompletionRequest, choices: list[gen.Choice],
-                 texts: list[str | None], response_id: str) -> None:
-        self.model, self.body, self.choices, self.texts = model, body, choices, texts
-        self.response_id = response_id
-        self.created = int(time.time())
+                 texts: list[str | None]) -> None:
+        super().__init__(model, body, choices)
+        self.body, self.texts = body, texts
 
     def prompt_text(self, choice: gen.Choice) -> str:
         text = self.texts[choice.prompt_index]
@@ -309,15 +322,13 @@ class _CompletionShaper:
             choices.append({"index": choice.index, "text": prefix + output.text,
                             "logprobs": self.logprobs(choice, output, 0, 0, self.body.echo),
                             "finish_reason": output.finish_reason})
-        return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.body.model, "choices": choices, "usage": self.usage(outputs)}
+        return {**self.chunk(choices), "usage": self.usage(outputs)}
 
     def usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
         prompt_tokens = sum(len(self.choices[p * self.body.n].prompt_ids) for p in range(len(self.texts)))
         return _usage(prompt_tokens, sum(len(o.token_ids) for o in outputs))
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         sent = [_Sent() for _ in self.choices]
         echo_pending = [self.body.echo for _ in self.choices]  # the first chunk carries the prompt
         token_chars = [0 for _ in self.choices]  # text_offset of the next token
@@ -337,16 +348,10 @@ class _CompletionShaper:
             logprobs = self.logprobs(choice, output, start, token_chars[index], with_prompt)
             if logprobs and logprobs["tokens"]:
                 token_chars[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            data = {"id": self.response_id, "object": "text_completion", "created": self.created,
-                    "model": self.body.model,
-                    "choices": [{"index": choice.index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": output.finish_reason if output.finished else None}]}
-            if include_usage:
-                data["usage"] = None
-            yield data
-        if include_usage:
-            yield {"id": self.response_id, "object": "text_completion", "created": self.created,
-                   "model": self.body.model, "choices": [], "usage": self.usage(finals)}
+            yield self.chunk([{"index": choice.index, "text": text, "logprobs": logprobs,
+                               "finish_reason": output.finish_reason if output.finished else None}])
+        if self.include_usage:
+            yield self.chunk([], self.usage(finals))
 
 
 # -- tokenize / detokenize ------------------------------------------------------------------

@@ -135,6 +135,13 @@ class ChatCompletionRequest(SamplingFields):
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def wanted_logprobs(self) -> int | None:
+        """Alternatives per output token for the engine (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        return None
+
 
 class CompletionRequest(SamplingFields):
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
@@ -154,6 +161,13 @@ class CompletionRequest(SamplingFields):
 
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
+
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Echoed prompts come with their tokens' logprobs when logprobs are asked for."""
+        return self.logprobs if self.echo else None
 
 
 class TokenizeRequest(_Strict):
