@@ -56,6 +56,20 @@ class LayerCount(click.ParamType):
         return count
 
 
+class ModelPath(click.ParamType):
+    """A model: a .gguf file or checkpoint folder, or a registry name (``name[:tag]``)."""
+
+    name = "MODEL"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        from .registry import resolve_model
+
+        try:
+            return resolve_model(str(value))
+        except LocalserveError as exc:
+            self.fail(str(exc), param, ctx)
+
+
 def engine_options(command: Callable[..., None]) -> Callable[..., None]:
     """The engine options every command that loads a model takes (``EngineConfig``
     fields, with its defaults)."""
@@ -99,7 +113,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelPath())
 @click.argument("prompt")
 @click.option("--max-tokens", default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
@@ -111,7 +125,8 @@ def main() -> None:
 @engine_options
 def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
         seed: int | None, device: str | None, dtype: str | None, **options: object) -> None:
-    """Generate from MODEL (a .gguf file or an HF checkpoint folder) for PROMPT, streaming the text."""
+    """Generate from MODEL (a registry name, a .gguf file or an HF checkpoint folder) for
+    PROMPT, streaming the text."""
     from .engine.engine import Engine
     from .engine.sampling_params import SamplingParams
 
@@ -196,7 +211,7 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, in
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelPath())
 @click.option("--gpu-memory", type=ByteSize(), default=None,
               help="The GPU's memory (e.g. 24GiB); default: this machine's first GPU.")
 @click.option("--dtype", default=None, help="Dtype of unquantized weights; default as the engine picks on CUDA.")
@@ -228,10 +243,10 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
 
 
 @main.command()
-@click.argument("model", type=click.Path(exists=True))
+@click.argument("model", type=ModelPath())
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
 def show(model: str, as_json: bool) -> None:
-    """What MODEL (a .gguf file or an HF checkpoint folder) is: architecture, parameters
+    """What MODEL (a registry name, a .gguf file or an HF checkpoint folder) is: architecture, parameters
     (total, and active per token for mixture-of-experts models), context, quantization."""
     import json
 
@@ -245,6 +260,83 @@ def show(model: str, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
     else:
         _echo_lines(lines)
+
+
+@main.command()
+@click.argument("source")
+@click.option("--name", default=None, help="Register as NAME[:TAG] (default: the file or folder name).")
+def pull(source: str, name: str | None) -> None:
+    """Add a model to the registry from SOURCE: a local .gguf file or HF checkpoint
+    folder (copied into the store, content-addressed)."""
+    from .registry import open_registry
+    from .registry.local import import_local
+
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise click.ClickException(f"{source}: no such file or folder (pulling from the Hub or a URL is not "
+                                   "available yet)")
+    try:
+        record = import_local(open_registry(), path, name)
+    except LocalserveError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{record.name}  {record.format}  {record.architecture}  {record.quantization}  "
+               f"{_size(record.size)}")
+
+
+@main.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="Print the models as JSON.")
+def list_models(as_json: bool) -> None:
+    """The models in the registry."""
+    import json
+
+    from .planner import human_count
+    from .registry import open_registry
+
+    records = open_registry().list()
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in records], indent=2))
+        return
+    rows = [("NAME", "FORMAT", "ARCH", "PARAMS", "QUANTIZATION", "SIZE")] + [
+        (str(r.name), r.format, r.architecture, human_count(r.parameters), r.quantization.split(",")[0],
+         _size(r.size)) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+@main.command()
+@click.argument("names", nargs=-1, required=True)
+def rm(names: tuple[str, ...]) -> None:
+    """Remove models from the registry (blobs another model uses are kept)."""
+    from .registry import open_registry
+
+    registry = open_registry()
+    for name in names:
+        try:
+            freed = registry.remove(name)
+        except LocalserveError as exc:
+            raise click.ClickException(str(exc)) from exc
+        click.echo(f"deleted {name} ({len(freed)} blob{'s' * (len(freed) != 1)} freed)")
+
+
+@main.command()
+@click.argument("source")
+@click.argument("destination")
+def cp(source: str, destination: str) -> None:
+    """Give a registered model another name (no data is copied)."""
+    from .registry import open_registry
+
+    try:
+        record = open_registry().copy(source, destination)
+    except LocalserveError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"copied {source} to {record.name}")
+
+
+def _size(size: int) -> str:
+    from .planner import human_bytes
+
+    return human_bytes(size)
 
 
 def _echo_lines(lines: list[tuple[str, str]]) -> None:

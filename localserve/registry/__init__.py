@@ -1,0 +1,36 @@
+"""What is on disk: a catalogue of models over a content-addressed blob store, and the
+sources models are pulled from."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .names import DEFAULT_TAG, ModelName, parse_name
+from .registry import ModelFile, ModelRecord, Registry, UnknownModelError
+
+
+def default_home() -> Path:
+    """``LOCALSERVE_HOME``, else the user's XDG data folder (``~/.local/share/localserve``)."""
+    if home := os.environ.get("LOCALSERVE_HOME"):
+        return Path(home).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("localserve", appauthor=False))
+
+
+def open_registry(home: Path | None = None) -> Registry:
+    return Registry(home or default_home())
+
+
+def resolve_model(text: str, registry: Registry | None = None) -> Path:
+    """A checkpoint path from what a user typed: an existing file or folder, else a
+    registry name (``name[:tag]``)."""
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    return (registry or open_registry()).path(text)
+
+
+__all__ = ["DEFAULT_TAG", "ModelFile", "ModelName", "ModelRecord", "Registry", "UnknownModelError",
+           "default_home", "open_registry", "parse_name", "resolve_model"]

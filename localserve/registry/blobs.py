@@ -1,0 +1,90 @@
+"""The content-addressed blob store: ``blobs/sha256-<hex>``.
+
+A blob is written under a temporary name, hashed while it is written, and renamed
+into place only when its digest is known (and equals the expected one, when there
+is one), so a blob under its final name is always complete and correct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..errors import LocalserveError
+
+DIGEST = re.compile(r"sha256-[0-9a-f]{64}")
+_CHUNK = 1 << 20
+
+
+def check_digest(digest: str) -> str:
+    if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+        raise LocalserveError(f"{str(digest)[:80]!r} is not a digest of the form sha256-<64 hex digits>")
+    return digest
+
+
+def file_digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as source:
+        while chunk := source.read(_CHUNK):
+            sha.update(chunk)
+    return f"sha256-{sha.hexdigest()}"
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, digest: str) -> Path:
+        return self.root / check_digest(digest)
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def partial_path(self, key: str) -> Path:
+        """Where an interrupted download of ``key`` (a digest or a URL's hash) is kept."""
+        if not re.fullmatch(r"[0-9a-z-]{1,80}", key):
+            raise LocalserveError(f"invalid partial-download key {key[:80]!r}")
+        return self.root / f"partial-{key}"
+
+    def add_file(self, source: Path, expected: str | None = None) -> str:
+        """Copy ``source`` into the store; returns its digest."""
+        temporary = self.root / f"tmp-{uuid.uuid4().hex}"
+        sha = hashlib.sha256()
+        try:
+            with open(source, "rb") as reader, open(temporary, "wb") as writer:
+                while chunk := reader.read(_CHUNK):
+                    sha.update(chunk)
+                    writer.write(chunk)
+            return self._commit(temporary, f"sha256-{sha.hexdigest()}", expected, str(source))
+        finally:
+            temporary.unlink(missing_ok=True)
+
+    def commit_partial(self, partial: Path, expected: str | None = None, what: str = "download") -> str:
+        """Hash a finished download and move it into place; a mismatch deletes it."""
+        try:
+            return self._commit(partial, file_digest(partial), expected, what)
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def _commit(self, temporary: Path, digest: str, expected: str | None, what: str) -> str:
+        if expected is not None and digest != check_digest(expected):
+            raise LocalserveError(f"{what}: content digest {digest} does not match the expected {expected}; "
+                                  "the file is corrupt or was changed (nothing was registered)")
+        final = self.path(digest)
+        if not final.exists():
+            os.replace(temporary, final)
+        return digest
+
+    def verify(self, digest: str) -> bool:
+        """Whether the blob is there and its content still has its name's digest."""
+        path = self.path(digest)
+        return path.is_file() and file_digest(path) == digest
+
+    def remove(self, digests: Iterable[str]) -> None:
+        for digest in digests:
+            self.path(digest).unlink(missing_ok=True)

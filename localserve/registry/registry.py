@@ -1,0 +1,200 @@
+"""What is on disk: a sqlite-utils catalogue of models over the blob store.
+
+The catalogue (``registry.db``, WAL mode, so the daemon and the CLI can use it at
+once) has a ``models`` row per ``name:tag`` and a ``files`` row per file of a model
+(its plain file name, role and blob digest). Every change is one transaction, and a
+model is added only after all its blobs are in the store, so no partial model is ever
+listed. Each model also gets a folder of symlinks (``models/<key>/<file name>`` ->
+blob) that the engine opens like any checkpoint folder or .gguf file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+from ..errors import LocalserveError
+from .blobs import BlobStore, check_digest
+from .names import ModelName, parse_name
+
+ROLES = ("weights", "config", "tokenizer", "template", "license", "other")
+
+
+class UnknownModelError(LocalserveError):
+    """No model of that name is in the registry."""
+
+
+def check_file_name(name: str) -> str:
+    """A file name inside a model: plain, no separators, nothing that climbs out."""
+    if (not isinstance(name, str) or not name or len(name) > 255 or name in (".", "..")
+            or "/" in name or "\\" in name or "\0" in name or name != name.strip()):
+        raise LocalserveError(f"{str(name)[:80]!r} is not an acceptable file name inside a model")
+    return name
+
+
+@dataclass(slots=True)
+class ModelFile:
+    name: str  # a plain file name, as the checkpoint calls it
+    digest: str
+    size: int
+    role: str = "other"
+
+
+@dataclass(slots=True)
+class ModelRecord:
+    name: ModelName
+    format: str  # gguf, gptq, awq, hf (safetensors)
+    architecture: str
+    quantization: str
+    parameters: int
+    active_parameters: int
+    context_length: int
+    size: int  # bytes of all its files
+    source: str
+    files: list[ModelFile] = field(default_factory=list)
+    created: str = ""
+    last_used: str | None = None
+
+    @property
+    def entry(self) -> str:
+        """What the engine opens: the .gguf file for a single-file GGUF, else the folder."""
+        weights = [f.name for f in self.files if f.role == "weights"]
+        if self.format == "gguf" and weights:
+            return sorted(weights)[0]
+        return ""
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["name"] = str(self.name)
+        return data
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class Registry:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        home.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(home / "blobs")
+        self.links = home / "models"
+        self.db = sqlite_utils.Database(home / "registry.db")
+        self.db.enable_wal()
+        self.db.conn.execute("PRAGMA busy_timeout = 10000")  # the daemon and the CLI may write at once
+        with self.db.conn:
+            self.db["models"].create({
+                "id": str, "name": str, "tag": str, "format": str, "architecture": str, "quantization": str,
+                "parameters": int, "active_parameters": int, "context_length": int, "size": int, "source": str,
+                "created": str, "last_used": str,
+            }, pk="id", if_not_exists=True)
+            self.db["files"].create({"model": str, "name": str, "role": str, "digest": str, "size": int},
+                                    pk=("model", "name"), foreign_keys=[("model", "models", "id")],
+                                    if_not_exists=True)
+            self.db["files"].create_index(["digest"], if_not_exists=True)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def list(self) -> list[ModelRecord]:
+        return [self._record(row) for row in self.db["models"].rows_where(order_by="name, tag")]
+
+    def get(self, name: str | ModelName) -> ModelRecord:
+        parsed = parse_name(name) if isinstance(name, str) else name
+        rows = list(self.db["models"].rows_where("id = ?", [str(parsed)]))
+        if not rows:
+            raise UnknownModelError(f"model {str(parsed)!r} is not in the registry (see `localserve list`; "
+                                    "`localserve pull` adds one)")
+        return self._record(rows[0])
+
+    def _record(self, row: dict[str, Any]) -> ModelRecord:
+        files = [ModelFile(f["name"], f["digest"], f["size"], f["role"])
+                 for f in self.db["files"].rows_where("model = ?", [row["id"]], order_by="name")]
+        fields = {key: value for key, value in row.items() if key not in ("id", "name", "tag")}
+        return ModelRecord(name=ModelName(row["name"], row["tag"]), files=files, **fields)
+
+    def path(self, name: str | ModelName) -> Path:
+        """The checkpoint path the engine opens (re-linked if its folder went missing)."""
+        record = self.get(name)
+        folder = self._link_folder(record.name)
+        if not all((folder / f.name).exists() for f in record.files):
+            self._link(record)
+        return folder / record.entry if record.entry else folder
+
+    def touch(self, name: ModelName) -> None:
+        with self.db.conn:
+            self.db["models"].update(str(name), {"last_used": _now()})
+
+    # -- changing -----------------------------------------------------------------------
+
+    def add(self, record: ModelRecord) -> ModelRecord:
+        """Register ``record`` (replacing a model of the same name); its blobs must be stored."""
+        for file in record.files:
+            check_file_name(file.name)
+            check_digest(file.digest)
+            if file.role not in ROLES:
+                raise LocalserveError(f"unknown file role {file.role!r}")
+            if not self.blobs.has(file.digest):
+                raise LocalserveError(f"{file.name}: blob {file.digest} is not in the store")
+        record.created = record.created or _now()
+        model_id = str(record.name)
+        row = {key: value for key, value in record.as_dict().items() if key not in ("files", "name")}
+        with self.db.conn:
+            orphans = self._delete_rows(model_id)
+            self.db["models"].insert({"id": model_id, "name": record.name.name, "tag": record.name.tag, **row})
+            self.db["files"].insert_all({"model": model_id, "name": f.name, "role": f.role, "digest": f.digest,
+                                         "size": f.size} for f in record.files)
+        self.blobs.remove(d for d in orphans if not self._referenced(d))
+        self._link(record)
+        return record
+
+    def copy(self, source: str, destination: str) -> ModelRecord:
+        """Another name for the same blobs (``localserve cp``)."""
+        record = self.get(source)
+        record.name = parse_name(destination)
+        record.created = ""
+        return self.add(record)
+
+    def remove(self, name: str) -> list[str]:
+        """Unregister ``name``; deletes the blobs no other model uses and returns them."""
+        record = self.get(name)
+        with self.db.conn:
+            candidates = self._delete_rows(str(record.name))
+        orphans = [d for d in candidates if not self._referenced(d)]
+        self.blobs.remove(orphans)
+        self._unlink(record.name)
+        return orphans
+
+    def _delete_rows(self, model_id: str) -> set[str]:
+        digests = {row["digest"] for row in self.db["files"].rows_where("model = ?", [model_id])}
+        self.db["files"].delete_where("model = ?", [model_id])
+        self.db["models"].delete_where("id = ?", [model_id])
+        return digests
+
+    def _referenced(self, digest: str) -> bool:
+        return self.db["files"].count_where("digest = ?", [digest]) > 0
+
+    # -- the symlink folders --------------------------------------------------------------
+
+    def _link_folder(self, name: ModelName) -> Path:
+        # Hashed, so a name never becomes a path; the hash names the folder for good.
+        return self.links / hashlib.sha256(str(name).encode()).hexdigest()[:32]
+
+    def _link(self, record: ModelRecord) -> None:
+        folder = self._link_folder(record.name)
+        self._unlink(record.name)
+        folder.mkdir(parents=True)
+        for file in record.files:
+            os.symlink(self.blobs.path(file.digest), folder / check_file_name(file.name))
+
+    def _unlink(self, name: ModelName) -> None:
+        folder = self._link_folder(name)
+        if folder.is_dir():
+            for entry in folder.iterdir():
+                entry.unlink()
+            folder.rmdir()

@@ -1,0 +1,148 @@
+"""The registry: names, the blob store, the catalogue, local imports and the CLI verbs
+that use them (pull from a path, list, cp, rm, and registry names in run/show)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from localserve.cli import main
+from localserve.errors import LocalserveError
+from localserve.registry import ModelName, open_registry, parse_name
+from localserve.registry.blobs import file_digest
+from localserve.registry.local import import_local
+from localserve.registry.registry import ModelFile, check_file_name
+
+from .conftest import SHARED, STORIES_HF
+
+STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
+
+
+@pytest.mark.parametrize("text, name, tag", [
+    ("qwen2.5-0.5b-instruct:q4_k_m", "qwen2.5-0.5b-instruct", "q4_k_m"),
+    ("Llama3", "llama3", "latest"),
+    ("team/model:V1", "team/model", "v1"),
+])
+def test_names(text: str, name: str, tag: str) -> None:
+    assert parse_name(text) == ModelName(name, tag)
+
+
+@pytest.mark.parametrize("text", ["../etc:x", "a/../b", "/abs", "a/b/c", "a:..", "a:b/c", "", ":tag", "a:",
+                                  "name\x00", "a b", ".hidden", "a:-x", "x" * 200])
+def test_bad_names_are_refused(text: str) -> None:
+    with pytest.raises(LocalserveError):
+        parse_name(text)
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "", "a\\b", "x\0", " x"])
+def test_bad_file_names_are_refused(name: str) -> None:
+    with pytest.raises(LocalserveError):
+        check_file_name(name)
+
+
+def test_blobs_are_content_addressed_and_verified(tmp_path: Path) -> None:
+    registry = open_registry(tmp_path / "home")
+    source = tmp_path / "data.bin"
+    source.write_bytes(b"hello" * 1000)
+    digest = registry.blobs.add_file(source)
+    assert digest == file_digest(source) and registry.blobs.path(digest).read_bytes() == source.read_bytes()
+    assert registry.blobs.verify(digest)
+    with pytest.raises(LocalserveError, match="does not match"):
+        registry.blobs.add_file(source, expected="sha256-" + "0" * 64)
+    assert sorted(p.name for p in registry.blobs.root.iterdir()) == [digest]  # nothing half-written left
+    registry.blobs.path(digest).write_bytes(b"tampered")
+    assert not registry.blobs.verify(digest)
+    for bad in ["sha256-../../x", "md5-abc", "sha256-" + "g" * 64]:
+        with pytest.raises(LocalserveError):
+            registry.blobs.path(bad)
+
+
+def test_import_gguf_and_hf_then_generate(tmp_path: Path) -> None:
+    from localserve import LLM, SamplingParams
+
+    registry = open_registry(tmp_path / "home")
+    gguf = import_local(registry, STORIES_GGUF, "stories:f32")
+    hf = import_local(registry, STORIES_HF)
+    assert str(gguf.name) == "stories:f32" and gguf.format == "gguf" and gguf.architecture == "llama"
+    assert str(hf.name) == "stories260k-hf:latest" and hf.format == "safetensors"
+    assert {f.name: f.role for f in hf.files} == {
+        "config.json": "config", "generation_config.json": "config", "model.safetensors": "weights",
+        "tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer"}
+    assert hf.parameters == gguf.parameters > 0 and hf.context_length == 512
+    assert [str(r.name) for r in registry.list()] == ["stories:f32", "stories260k-hf:latest"]
+    for name in ("stories:f32", "stories260k-hf"):
+        text = LLM(registry.path(name)).generate("Once upon a time",
+                                                 SamplingParams(temperature=0, max_tokens=8))[0].text
+        assert text.startswith(", there was a little girl")
+
+
+def test_rm_keeps_shared_blobs(tmp_path: Path) -> None:
+    registry = open_registry(tmp_path / "home")
+    import_local(registry, STORIES_HF, "a")
+    import_local(registry, STORIES_GGUF, "g")
+    registry.copy("a", "b")
+    before = set(os.listdir(registry.blobs.root))
+    assert registry.remove("a") == []  # b uses every blob of a
+    assert set(os.listdir(registry.blobs.root)) == before
+    assert registry.path("b").is_dir()
+    freed = registry.remove("b")
+    assert len(freed) == 5 and set(os.listdir(registry.blobs.root)) == before - set(freed)
+    assert [str(r.name) for r in registry.list()] == ["g:latest"]
+    with pytest.raises(LocalserveError, match="not in the registry"):
+        registry.remove("b")
+
+
+def test_a_broken_checkpoint_registers_nothing(tmp_path: Path) -> None:
+    registry = open_registry(tmp_path / "home")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(LocalserveError):
+        import_local(registry, broken)
+    assert registry.list() == [] and list(registry.blobs.root.iterdir()) == []
+
+
+def test_add_refuses_hostile_file_entries(tmp_path: Path) -> None:
+    registry = open_registry(tmp_path / "home")
+    record = import_local(registry, STORIES_GGUF, "g")
+    digest = record.files[0].digest
+    for bad in (ModelFile("../escape.gguf", digest, 1, "weights"), ModelFile("x", "sha256-../../etc", 1),
+                ModelFile("x", "sha256-" + "a" * 64, 1)):  # not in the store
+        record.files = [bad]
+        with pytest.raises(LocalserveError):
+            registry.add(record)
+    assert not (tmp_path / "home" / "escape.gguf").exists()
+    assert [str(r.name) for r in registry.list()] == ["g:latest"]  # unchanged
+
+
+def test_cli_verbs(tmp_path: Path) -> None:
+    runner = CliRunner(env={"LOCALSERVE_HOME": str(tmp_path / "home")})
+
+    def invoke(*args: str):  # type: ignore[no-untyped-def]
+        result = runner.invoke(main, list(args))
+        return result
+
+    result = invoke("pull", str(STORIES_GGUF), "--name", "stories")
+    assert result.exit_code == 0, result.output
+    assert "stories:latest" in result.output and "gguf" in result.output
+    assert invoke("cp", "stories", "tale:v1").exit_code == 0
+    listing = invoke("list")
+    assert listing.exit_code == 0
+    assert [line.split()[0] for line in listing.output.splitlines()] == ["NAME", "stories:latest", "tale:v1"]
+    rows = json.loads(invoke("list", "--json").output)
+    assert {row["name"] for row in rows} == {"stories:latest", "tale:v1"}
+    shown = json.loads(invoke("show", "tale:v1", "--json").output)
+    assert shown["architecture"] == "llama" and shown["layers"] == 5
+    run = invoke("run", "stories", "Once upon a time", "--max-tokens", "12", "--kv-cache-memory", "64MiB")
+    assert run.exit_code == 0, run.output
+    assert run.output.startswith(", there was a little girl named Lily")
+    assert invoke("rm", "stories").exit_code == 0
+    missing = invoke("run", "stories", "hi")
+    assert missing.exit_code != 0 and "not in the registry" in missing.output
+    bad = invoke("pull", str(STORIES_GGUF), "--name", "../evil")
+    assert bad.exit_code != 0 and "not a valid model name" in bad.output
+    assert invoke("rm", "tale:v1").exit_code == 0
+    assert invoke("list").output.splitlines() == ["NAME  FORMAT  ARCH  PARAMS  QUANTIZATION  SIZE"]
