@@ -106,7 +106,18 @@ def engine_config(options: dict[str, object]) -> EngineConfig:
     return EngineConfig(**{name: options.pop(name) for name in names if name in options})  # type: ignore[arg-type]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Every command's LocalserveError (bad input, a bad file, an unknown name) ends as a
+    one-line error and exit status 1, without a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except LocalserveError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="localserve")
 def main() -> None:
     """Serve quantized LLMs on one machine: paged KV cache, continuous batching."""
@@ -130,19 +141,16 @@ def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: flo
     from .engine.engine import Engine
     from .engine.sampling_params import SamplingParams
 
-    try:
-        engine = Engine(model, engine_config(options), device=device, dtype=dtype)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        engine.add_request(prompt, params)
-        shown = 0
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                sys.stdout.write(output.text[shown:])
-                sys.stdout.flush()
-                shown = len(output.text)
-        sys.stdout.write("\n")
-    except LocalserveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    engine = Engine(model, engine_config(options), device=device, dtype=dtype)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    engine.add_request(prompt, params)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sys.stdout.write(output.text[shown:])
+            sys.stdout.flush()
+            shown = len(output.text)
+    sys.stdout.write("\n")
 
 
 def model_source(value: str) -> tuple[str, Path]:
@@ -199,15 +207,12 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, in
         keep_alive_s = parse_keep_alive(keep_alive)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
-    try:
-        config = ServerConfig(
-            models=sources, preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
-            host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
-            max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
-            max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)
-        sys.exit(run_server(config, insecure_no_auth, log_level))
-    except LocalserveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    config = ServerConfig(
+        models=sources, preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
+        host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
+        max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
+        max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)
+    sys.exit(run_server(config, insecure_no_auth, log_level))
 
 
 @main.command()
@@ -232,10 +237,7 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
         if not torch.cuda.is_available():
             raise click.UsageError("no GPU here: give the GPU's memory with --gpu-memory (e.g. 24GiB)")
         gpu_memory = torch.cuda.get_device_properties(0).total_memory
-    try:
-        result = plan(model, gpu_memory, engine_config(options), dtype)
-    except LocalserveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result = plan(model, gpu_memory, engine_config(options), dtype)
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2))
         return
@@ -252,10 +254,7 @@ def show(model: str, as_json: bool) -> None:
 
     from .model_info import model_info
 
-    try:
-        info, lines = model_info(model)
-    except LocalserveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    info, lines = model_info(model)
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
@@ -275,10 +274,7 @@ def pull(source: str, name: str | None) -> None:
     if not path.exists():
         raise click.ClickException(f"{source}: no such file or folder (pulling from the Hub or a URL is not "
                                    "available yet)")
-    try:
-        record = import_local(open_registry(), path, name)
-    except LocalserveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    record = import_local(open_registry(), path, name)
     click.echo(f"{record.name}  {record.format}  {record.architecture}  {record.quantization}  "
                f"{_size(record.size)}")
 
@@ -312,10 +308,7 @@ def rm(names: tuple[str, ...]) -> None:
 
     registry = open_registry()
     for name in names:
-        try:
-            freed = registry.remove(name)
-        except LocalserveError as exc:
-            raise click.ClickException(str(exc)) from exc
+        freed = registry.remove(name)
         click.echo(f"deleted {name} ({len(freed)} blob{'s' * (len(freed) != 1)} freed)")
 
 
@@ -326,10 +319,7 @@ def cp(source: str, destination: str) -> None:
     """Give a registered model another name (no data is copied)."""
     from .registry import open_registry
 
-    try:
-        record = open_registry().copy(source, destination)
-    except LocalserveError as exc:
-        raise click.ClickException(str(exc)) from exc
+    record = open_registry().copy(source, destination)
     click.echo(f"copied {source} to {record.name}")
 
 

@@ -36,15 +36,15 @@ def default_name(path: Path) -> ModelName:
     return parse_name(cleaned[:128])
 
 
-def record_for(path: Path, name: ModelName, source: str, files: list[ModelFile]) -> ModelRecord:
-    """The catalogue row for the checkpoint at ``path`` (its metadata read and checked)."""
+def record_for(path: Path, name: ModelName, source: str) -> ModelRecord:
+    """The catalogue row for the checkpoint at ``path`` (its metadata read and checked),
+    its files still to be added."""
     info, _ = model_info(path)
     return ModelRecord(
         name=name, format="safetensors" if info["format"] == "hf" else str(info["format"]),
         architecture=str(info["architecture"]), quantization=str(info["quantization"]),
         parameters=int(info["parameters"]), active_parameters=int(info["active_parameters"]),  # type: ignore[call-overload]
-        context_length=int(info["context_length"]), size=sum(f.size for f in files),  # type: ignore[call-overload]
-        source=source, files=files,
+        context_length=int(info["context_length"]), size=0, source=source,  # type: ignore[call-overload]
     )
 
 
@@ -55,7 +55,7 @@ def import_local(registry: Registry, path: Path, name: str | None = None) -> Mod
     if not path.exists():
         raise LocalserveError(f"{path}: no such file or folder")
     model_name = parse_name(name) if name else default_name(path)
-    record = record_for(path, model_name, f"file:{path.resolve()}", [])
+    record = record_for(path, model_name, f"file:{path.resolve()}")
     sources = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and role_of(p.name))
     for source in sources:
         role = "weights" if path.is_file() else role_of(source.name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import platform
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,15 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .. import __version__
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import LoadRequest, UnloadRequest
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import state_of
 
 router = APIRouter()
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.localserve
 
 
 def _iso(timestamp: float | None) -> str | None:
@@ -51,20 +45,20 @@ def _running_model(model: LoadedModel) -> dict[str, Any]:
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     """Loaded models, their memory on the device and in host RAM, and when they expire."""
-    manager = _state(request).manager
+    manager = state_of(request).manager
     return {"models": [_running_model(model) for model in manager.loaded.values()],
             "loading": [name for name in manager.names() if manager.is_loading(name)]}
 
 
 @router.post("/api/load")
 async def load(request: Request, body: LoadRequest) -> dict[str, Any]:
-    model = await _state(request).manager.load(body.model, keep_alive=parse_keep_alive(body.keep_alive))
+    model = await state_of(request).manager.load(body.model, keep_alive=parse_keep_alive(body.keep_alive))
     return _running_model(model)
 
 
 @router.post("/api/unload")
 async def unload(request: Request, body: UnloadRequest) -> dict[str, Any]:
-    manager = _state(request).manager
+    manager = state_of(request).manager
     manager.path_of(body.model)  # 404 when unknown
     return {"model": body.model, "unloaded": await manager.unload(body.model)}
 
@@ -72,7 +66,7 @@ async def unload(request: Request, body: UnloadRequest) -> dict[str, Any]:
 @router.get("/api/stats")
 async def stats(request: Request) -> dict[str, Any]:
     """Everything the dashboard shows, per loaded model."""
-    state = _state(request)
+    state = state_of(request)
     models = []
     for model in state.manager.loaded.values():
         models.append({
@@ -92,7 +86,7 @@ async def version() -> dict[str, str]:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    state = _state(request)
+    state = state_of(request)
     if state.guard.draining:
         return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
     if not state.ready:
@@ -102,4 +96,4 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(state_of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)

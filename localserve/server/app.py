@@ -23,6 +23,7 @@ from . import admin_api, errors, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
 from .model_manager import DEFAULT_KEEP_ALIVE_S, ManagerOptions, ModelManager
+from .state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +44,6 @@ class ServerConfig:
     max_loaded_models: int = 3
     max_queued_requests: int = 256  # per model, beyond the running batch
     drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests
-
-
-@dataclass
-class ServerState:
-    config: ServerConfig
-    manager: ModelManager
-    metrics: Metrics
-    guard: GuardState
-    ready: bool = False  # preloading done
-
-    def snapshots(self) -> dict[str, dict]:
-        return {name: model.engine.stats for name, model in self.manager.loaded.items()}
 
 
 def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..engine.engine import pick_dtype
+from ..engine.engine import pick_device, pick_dtype
 from ..engine.kv_cache import kv_bytes_per_block
 from ..engine.memory import CPU_DEFAULT_KV_MEMORY
 from ..errors import LocalserveError
@@ -38,7 +38,7 @@ def needed_bytes(path: Path, config: ServerConfig) -> int | None:
     None on a GPU host, where the engine measures free device memory itself."""
     import torch
 
-    if config.device != "cpu" and (config.device is not None or torch.cuda.is_available()):
+    if pick_device(config.device).type != "cpu":
         return None
     try:
         checkpoint = open_checkpoint(path)

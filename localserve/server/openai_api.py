@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,15 +20,9 @@ from ..errors import LocalserveError
 from . import generation as gen
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
-
-if TYPE_CHECKING:
-    from .app import ServerState
+from .state import state_of
 
 router = APIRouter()
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.localserve
 
 
 def _wait_seconds(request: Request) -> float | None:
@@ -45,13 +39,13 @@ def _wait_seconds(request: Request) -> float | None:
 
 
 async def _acquire(request: Request, name: str) -> LoadedModel:
-    return await _state(request).manager.acquire(name, _wait_seconds(request))
+    return await state_of(request).manager.acquire(name, _wait_seconds(request))
 
 
 # -- models -----------------------------------------------------------------------------
 
 def _model_card(request: Request, name: str) -> dict[str, Any]:
-    manager = _state(request).manager
+    manager = state_of(request).manager
     model = manager.loaded.get(name)
     card: dict[str, Any] = {"id": name, "object": "model", "owned_by": "localserve",
                             "created": int(model.loaded_at if model else manager.path_of(name).stat().st_mtime)}
@@ -62,12 +56,12 @@ def _model_card(request: Request, name: str) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(request, name) for name in _state(request).manager.names()]}
+    return {"object": "list", "data": [_model_card(request, name) for name in state_of(request).manager.names()]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> dict[str, Any]:
-    _state(request).manager.path_of(model_id)  # 404 when unknown
+    state_of(request).manager.path_of(model_id)  # 404 when unknown
     return _model_card(request, model_id)
 
 
@@ -103,7 +97,7 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     """Acquire the model, run every choice, answer as one body or a stream of events;
     the model is released when the response ends, however it ends."""
     keep_alive = parse_keep_alive(body.keep_alive)
-    state = _state(request)
+    state = state_of(request)
     model = await _acquire(request, body.model)
     released = False
     try:
@@ -366,7 +360,7 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
             tokens = model.tokenizer_or_error().encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
     finally:
-        _state(request).manager.release(model)
+        state_of(request).manager.release(model)
 
 
 @router.post("/detokenize")
@@ -377,5 +371,5 @@ async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any
             raise LocalserveError(f"token ids must be in [0, {model.vocab_size})")
         return {"prompt": model.decode(body.tokens)}
     finally:
-        _state(request).manager.release(model)
+        state_of(request).manager.release(model)
 

@@ -22,6 +22,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_TEXT = 4 << 20  # characters in one string; the body limit bounds the total too
 
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
+ModelField = Annotated[str, Field(min_length=1, max_length=512)]  # a model's name
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(min_length=1, max_length=1 << 20)]
 
 def _check_keep_alive(value: str | float | None) -> str | float | None:
@@ -44,7 +45,7 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Fields shared by chat and text completions."""
 
-    model: Annotated[str, Field(min_length=1, max_length=512)]
+    model: ModelField
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -171,7 +172,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Strict):
-    model: Annotated[str, Field(min_length=1, max_length=512)]
+    model: ModelField
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     add_special_tokens: bool = True
@@ -185,14 +186,14 @@ class TokenizeRequest(_Strict):
 
 
 class DetokenizeRequest(_Strict):
-    model: Annotated[str, Field(min_length=1, max_length=512)]
+    model: ModelField
     tokens: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1 << 20)]
 
 
 class LoadRequest(_Strict):
-    model: Annotated[str, Field(min_length=1, max_length=512)]
+    model: ModelField
     keep_alive: KeepAlive = None
 
 
 class UnloadRequest(_Strict):
-    model: Annotated[str, Field(min_length=1, max_length=512)]
+    model: ModelField
