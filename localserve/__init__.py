@@ -1,11 +1,31 @@
 """localserve: serve quantized LLMs on one machine."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from .engine.config import EngineConfig
-from .engine.engine import Engine, RequestOutput
-from .engine.sampling_params import SamplingParams
-from .errors import LocalserveError
-from .llm import LLM
+# The Python API, imported on first use: `localserve list` or `ps` should not wait
+# for torch to load.
+_EXPORTS = {
+    "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.engine",
+    "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
+}
+
+if TYPE_CHECKING:
+    from .engine.config import EngineConfig
+    from .engine.engine import Engine, RequestOutput
+    from .engine.sampling_params import SamplingParams
+    from .errors import LocalserveError
+    from .llm import LLM
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'localserve' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+
 
 __all__ = ["LLM", "Engine", "EngineConfig", "LocalserveError", "RequestOutput", "SamplingParams", "__version__"]

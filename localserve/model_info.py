@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .formats import Checkpoint, open_checkpoint
 from .formats.gguf_file import GGML_TYPES
-from .planner import describe_parameters, human_bytes
+from .planner import describe_parameters
+from .units import human_bytes
 
 
 def quantization(checkpoint: Checkpoint) -> str:
@@ -30,11 +31,12 @@ def quantization(checkpoint: Checkpoint) -> str:
 
 def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str]]]:
     """The facts as a dict (``--json``) and as (label, text) lines for people; the size
-    is the weight files' on disk."""
+    is the weight files' on disk (every shard of a split GGUF)."""
     checkpoint = open_checkpoint(path)
     spec = checkpoint.spec
     counts = spec.parameter_counts()
-    file_bytes = sum(f.stat().st_size for f in checkpoint.files or [checkpoint.path])
+    files = checkpoint.gguf.paths if checkpoint.gguf is not None else checkpoint.files or [checkpoint.path]
+    file_bytes = sum(f.stat().st_size for f in files)
     info: dict[str, object] = {
         "path": str(checkpoint.path),
         "format": "gguf" if checkpoint.gguf is not None else (checkpoint.quant.method if checkpoint.quant else "hf"),

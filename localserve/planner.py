@@ -21,6 +21,7 @@ from .engine.engine import pick_dtype
 from .engine.kv_cache import kv_bytes_per_block
 from .engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak
 from .formats import Checkpoint, ModelSpec, open_checkpoint
+from .units import human_bytes, human_count
 
 GiB = 1 << 30
 
@@ -215,15 +216,3 @@ def describe_parameters(spec: ModelSpec) -> str:
             f"{human_count(counts.active)} active)")
 
 
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def human_count(n: int) -> str:
-    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return str(n)

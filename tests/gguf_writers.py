@@ -212,3 +212,32 @@ def tiny_moe(kind: str, seed: int = 5):
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(hidden**0.5)
     return model.eval()
+
+
+def split_gguf(source: Path, target: Path, parts: int) -> list[Path]:
+    """``source`` re-written as ``parts`` shards the way llama.cpp's gguf-split lays them
+    out, by gguf-py's own splitting writer: ``<target stem>-0000i-of-0000N.gguf``, every
+    metadata entry in the first shard, ``split.no`` / ``split.count`` /
+    ``split.tensors.count`` in each, the tensors in order, about evenly over the shards."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    per_shard = -(-len(reader.tensors) // parts)
+    writer = gguf.GGUFWriter(str(target), arch, split_max_tensors=per_shard)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the header's counts, and the key the writer adds itself
+        main_type = field.types[0]
+        sub_type = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), main_type, sub_type=sub_type)
+    for tensor in reader.tensors:
+        # The reader's arrays are shaped like the writer wants them: bytes per row for block types.
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    paths = [target.with_name(f"{target.stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1)]
+    assert all(path.is_file() for path in paths), "gguf-py split into a different number of files"
+    return paths

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
 
+if TYPE_CHECKING:
+    import torch
+
 # kv_cache_dtype names: "auto" is the model's dtype; the others make an 8-bit cache.
-KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# The torch dtype of each choice, by name: the CLI reads this table without importing torch.
+KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 @dataclass(slots=True)
@@ -54,7 +57,10 @@ class EngineConfig:
     def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
         """The cache's torch dtype for a model computing in ``model_dtype``; with a
         ``device``, checked to be one it can use."""
-        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
+        import torch
+
+        chosen = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        dtype = getattr(torch, chosen) if chosen else model_dtype
         # Triton converts to float8 e4m3 only on compute capability 8.9+ (Ada, Hopper).
         if (dtype == torch.float8_e4m3fn and device is not None and device.type == "cuda"
                 and torch.cuda.get_device_capability(device) < (8, 9)):

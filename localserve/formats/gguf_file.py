@@ -22,13 +22,20 @@ Decisions worth knowing:
   ``LocalserveError`` naming the tensor and the type when one is asked for.
 * Tensors may overlap or leave gaps in the data section: llama.cpp's writer never does
   that, but reading such a file is still safe, so it is not rejected here.
+* Split models (llama.cpp's ``gguf-split``, gguf-py's ``split_max_tensors``): every shard
+  is a complete GGUF file named ``<prefix>-%05d-of-%05d.gguf`` (1-based) and carries
+  ``split.no`` (0-based), ``split.count`` and ``split.tensors.count`` (all shards' tensors);
+  the first carries the model's metadata. ``read_gguf`` takes the first shard, as llama.cpp
+  does, finds the others beside it by name, parses each like a single file and presents
+  one model: the first shard's metadata, every shard's tensors, each read from its own
+  file's memory map. The other shards' metadata is not kept.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +138,14 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
+# Split models (gguf-py: Keys.Split; llama.cpp: LLM_KV_SPLIT_*). split.no and split.count
+# are uint16, split.tensors.count int32.
+SPLIT_NO = "split.no"
+SPLIT_COUNT = "split.count"
+SPLIT_TENSORS_COUNT = "split.tensors.count"
+MAX_SPLITS = 0xFFFF
+MAX_INT32 = (1 << 31) - 1
+
 
 @dataclass(slots=True, frozen=True)
 class GGUFTensorInfo:
@@ -138,7 +153,8 @@ class GGUFTensorInfo:
 
     ``shape`` is in torch order: GGUF lists dimensions fastest-varying first, so a 2-D
     ``[ne0, ne1]`` (``ne1`` rows of ``ne0`` elements) is ``(ne1, ne0)``. ``offset`` is
-    absolute in the file. ``nbytes`` is ``None`` when ``ggml_type`` is unknown.
+    absolute in the file that holds the tensor, ``GGUFFile.paths[shard]`` (shard 0 unless
+    the model is split). ``nbytes`` is ``None`` when ``ggml_type`` is unknown.
     """
 
     name: str
@@ -147,6 +163,7 @@ class GGUFTensorInfo:
     type_name: str
     offset: int
     nbytes: int | None
+    shard: int = 0
 
     @property
     def n_elements(self) -> int:
@@ -158,7 +175,9 @@ class GGUFTensorInfo:
 
 @dataclass(slots=True, eq=False)
 class GGUFFile:
-    """A parsed GGUF file; tensor data stays in a read-only memory map until asked for."""
+    """A parsed GGUF file (or split model); tensor data stays in read-only memory maps
+    until asked for. For a split model, ``path``, ``version``, ``metadata``, ``alignment``
+    and ``data_offset`` are the first shard's."""
 
     path: Path
     version: int
@@ -166,7 +185,9 @@ class GGUFFile:
     tensors: dict[str, GGUFTensorInfo]
     alignment: int
     data_offset: int
-    _buffer: mmap.mmap | None = field(default=None, repr=False)
+    # Every file the model is made of, in order: [path], or all shards of a split model.
+    paths: list[Path] = field(default_factory=list)
+    _buffers: list[mmap.mmap] = field(default_factory=list, repr=False)  # one per path; [] once closed
 
     def tensor_nbytes(self, name: str) -> int:
         """The tensor's size in bytes; raises for a missing tensor or an unknown type."""
@@ -181,23 +202,19 @@ class GGUFFile:
         return info.nbytes
 
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """Zero-copy, read-only uint8 view of the tensor's raw bytes in the file."""
+        """Zero-copy, read-only uint8 view of the tensor's raw bytes in its file."""
         nbytes = self.tensor_nbytes(name)
-        if self._buffer is None:
+        if not self._buffers:
             raise LocalserveError(f"{self.path}: file is closed")
-        # The parser checked offset + nbytes <= file size, so this cannot read past the end.
-        return np.frombuffer(self._buffer, dtype=np.uint8, count=nbytes, offset=self.tensors[name].offset)
+        info = self.tensors[name]
+        # The parser checked offset + nbytes <= that file's size, so this cannot read past the end.
+        return np.frombuffer(self._buffers[info.shard], dtype=np.uint8, count=nbytes, offset=info.offset)
 
     def close(self) -> None:
-        """Drop the memory map. Views handed out keep the mapping alive until they go."""
-        buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            try:
-                buffer.close()
-            except BufferError:
-                # Views from tensor_bytes still point into it; the map is released when
-                # the last of them is garbage-collected.
-                pass
+        """Drop the memory maps (every shard's). Views handed out keep a mapping alive until they go."""
+        buffers, self._buffers = self._buffers, []
+        for buffer in buffers:
+            _close_map(buffer)
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -206,9 +223,124 @@ class GGUFFile:
         self.close()
 
 
+def _close_map(buffer: mmap.mmap) -> None:
+    try:
+        buffer.close()
+    except BufferError:
+        # Views (from tensor_bytes, or in a traceback's frames) still point into it; the
+        # map is released when the last of them is garbage-collected.
+        pass
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Parse a GGUF file's header, metadata and tensor directory (not the tensor data)."""
-    path = Path(path).expanduser()
+    """Parse a GGUF file's header, metadata and tensor directory (not the tensor data).
+
+    Given the first shard of a split model (``<prefix>-00001-of-0000N.gguf``), every shard
+    is parsed and the result is the whole model (see the module docstring).
+    """
+    first = _read_file(Path(path).expanduser())
+    if SPLIT_COUNT not in first.metadata and SPLIT_NO not in first.metadata:
+        return first
+    try:
+        return _join_shards(first)
+    except BaseException:
+        first.close()
+        raise
+
+
+def split_paths(path: str | Path) -> list[Path]:
+    """Every file of the GGUF model at `path` (all shards in order if it is split; all are parsed and checked)."""
+    with read_gguf(path) as gguf:
+        return list(gguf.paths)
+
+
+def _split_key(gguf: GGUFFile, key: str, low: int, high: int) -> int:
+    value = gguf.metadata.get(key)
+    if value is None:
+        raise LocalserveError(f"{gguf.path}: a split GGUF model needs metadata {key}, which this file lacks")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise LocalserveError(f"{gguf.path}: metadata {key} is {value!r}; expected an integer from {low} to {high}")
+    return value
+
+
+def _shard_suffix(number: int, count: int) -> str:
+    """The end of shard `number` (1-based)'s file name, as llama.cpp's llama_split_path writes it."""
+    return f"-{number:05d}-of-{count:05d}.gguf"
+
+
+def _join_shards(first: GGUFFile) -> GGUFFile:
+    """The split model whose first shard is `first`: its sibling shards found by name,
+    read and checked, and the tensors of all of them in one directory."""
+    count = _split_key(first, SPLIT_COUNT, 1, MAX_SPLITS)
+    number = _split_key(first, SPLIT_NO, 0, count - 1)
+    name = first.path.name
+    if number != 0:
+        suffix = _shard_suffix(number + 1, count)
+        prefix = name[: -len(suffix)] if name.endswith(suffix) else "<prefix>"
+        raise LocalserveError(
+            f"{first.path}: this is shard {number + 1} of {count} of a split GGUF model; "
+            f"pass the first shard, {prefix}{_shard_suffix(1, count)}"
+        )
+    expected_tensors = _split_key(first, SPLIT_TENSORS_COUNT, 0, MAX_INT32)
+    paths = [first.path]
+    if count > 1:
+        suffix = _shard_suffix(1, count)
+        if len(name) <= len(suffix) or not name.endswith(suffix):
+            raise LocalserveError(
+                f"{first.path}: the first shard of a {count}-file split GGUF model must be named "
+                f"<prefix>{suffix} so that its other shards can be found beside it"
+            )
+        prefix = name[: -len(suffix)]
+        paths += [first.path.with_name(prefix + _shard_suffix(n, count)) for n in range(2, count + 1)]
+    shards = [first]
+    try:
+        for index, shard_path in enumerate(paths[1:], start=1):
+            if not shard_path.is_file():
+                raise LocalserveError(
+                    f"{first.path}: shard {index + 1} of {count} of this split GGUF model is missing "
+                    f"(expected {shard_path}); keep all shards in the same folder"
+                )
+            shard = _read_file(shard_path)
+            shards.append(shard)
+            found = (shard.metadata.get(SPLIT_NO), shard.metadata.get(SPLIT_COUNT))
+            if found != (index, count):
+                raise LocalserveError(
+                    f"{shard_path}: expected shard {index + 1} of {count} (split.no {index}, split.count {count}) "
+                    f"of {name}, but the file has split.no {found[0]!r}, split.count {found[1]!r}; "
+                    "are the shards from different splits?"
+                )
+        tensors: dict[str, GGUFTensorInfo] = {}
+        for index, shard in enumerate(shards):
+            for tensor_name, info in shard.tensors.items():
+                if tensor_name in tensors:
+                    raise LocalserveError(
+                        f"{shard.path}: tensor {tensor_name!r} is also in {paths[tensors[tensor_name].shard]}; "
+                        "a split GGUF model holds each tensor once"
+                    )
+                tensors[tensor_name] = replace(info, shard=index)
+        if len(tensors) != expected_tensors:
+            raise LocalserveError(
+                f"{first.path}: the {count} files of this split GGUF model hold {len(tensors)} tensors, "
+                f"but {SPLIT_TENSORS_COUNT} says {expected_tensors}; are the shards from different splits?"
+            )
+    except BaseException:
+        for shard in shards[1:]:
+            shard.close()
+        raise
+    return GGUFFile(
+        path=first.path,
+        version=first.version,
+        metadata=first.metadata,
+        tensors=tensors,
+        alignment=first.alignment,
+        data_offset=first.data_offset,
+        paths=paths,
+        _buffers=[buffer for shard in shards for buffer in shard._buffers],
+    )
+
+
+def _read_file(path: Path) -> GGUFFile:
+    """Parse one GGUF file, whether or not it is a shard."""
     try:
         with open(path, "rb") as handle:
             size = handle.seek(0, 2)
@@ -222,12 +354,7 @@ def read_gguf(path: str | Path) -> GGUFFile:
     try:
         return _Parser(path, buffer).parse()
     except BaseException:
-        try:
-            buffer.close()
-        except BufferError:
-            # A numpy view in the traceback's frames still points into the map; it is
-            # released with them.
-            pass
+        _close_map(buffer)
         raise
 
 
@@ -299,7 +426,8 @@ class _Parser:
             tensors=tensors,
             alignment=alignment,
             data_offset=data_offset,
-            _buffer=self.buf,
+            paths=[self.path],
+            _buffers=[self.buf],
         )
 
     def header(self) -> tuple[int, int, int]:
