@@ -6,12 +6,16 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from . import __version__
 from .engine.config import KV_CACHE_DTYPES, EngineConfig
 from .errors import LocalserveError
+
+if TYPE_CHECKING:
+    from .run_backends import Backend
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -124,33 +128,69 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("model", type=ModelPath())
-@click.argument("prompt")
-@click.option("--max-tokens", default=128, show_default=True, help="Tokens to generate at most.")
-@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--top-k", default=0, show_default=True, help="0 is no limit.")
+@click.argument("model")
+@click.argument("prompt", required=False)
+@click.option("--system", default=None, help="A system prompt.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens to generate at most; default: until the model stops or the context is full.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 is no limit.")
 @click.option("--seed", type=int, default=None)
-@click.option("--device", default=None, help="cpu or cuda; default cuda when available.")
-@click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device.")
+@click.option("--raw", is_flag=True, help="Complete PROMPT as plain text, without the chat template.")
+@click.option("--device", default=None, help="cpu or cuda; default cuda when available (in-process only).")
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device (in-process only).")
 @engine_options
-def run(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-        seed: int | None, device: str | None, dtype: str | None, **options: object) -> None:
-    """Generate from MODEL (a registry name, a .gguf file or an HF checkpoint folder) for
-    PROMPT, streaming the text."""
-    from .engine.engine import Engine
-    from .engine.sampling_params import SamplingParams
+def run(model: str, prompt: str | None, system: str | None, max_tokens: int | None, temperature: float,
+        top_p: float, top_k: int, seed: int | None, raw: bool, device: str | None, dtype: str | None,
+        **options: object) -> None:
+    """Chat with MODEL (a registry name, a .gguf file or an HF checkpoint folder), or
+    answer PROMPT and exit. Runs on the daemon when it is up and serves MODEL, else
+    loads the model here (then the engine options apply)."""
+    from .chat_repl import ChatSettings, chat_loop, messages_for, stdin_reader, write_stdout
 
-    engine = Engine(model, engine_config(options), device=device, dtype=dtype)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    engine.add_request(prompt, params)
-    shown = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            sys.stdout.write(output.text[shown:])
-            sys.stdout.flush()
-            shown = len(output.text)
-    sys.stdout.write("\n")
+    settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
+                            system=system)
+    backend = _run_backend(model, lambda path: _local_engine(path, device, dtype, options))
+    if prompt is not None:
+        if backend.has_template and not raw:
+            pieces = backend.chat(messages_for([{"role": "user", "content": prompt}], settings), settings)
+        else:
+            pieces = backend.complete(prompt, settings)
+        for piece in pieces:
+            write_stdout(piece)
+        write_stdout("\n")
+        return
+    if not backend.has_template:
+        click.echo(f"{model} has no chat template: each message is completed as plain text, without history.",
+                   err=True)
+    generate = (lambda messages, s: backend.chat(messages, s)) if backend.has_template else (
+        lambda messages, s: backend.complete(messages[-1]["content"], s))
+    chat_loop(generate, settings, stdin_reader(), write_stdout)
+
+
+def _run_backend(model: str, open_engine: Callable[[Path], object]) -> Backend:
+    """The daemon when one is reachable and serves ``model`` (a registry name), else an
+    engine in this process."""
+    from .client import DaemonClient
+    from .registry import open_registry
+    from .run_backends import LocalBackend, daemon_backend
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        registry = open_registry()
+        record = registry.get(model)
+        path = registry.path(record.name)
+        client = DaemonClient()
+        if client.reachable() and (backend := daemon_backend(client, str(record.name), path)) is not None:
+            return backend
+    return LocalBackend(open_engine(path))  # type: ignore[arg-type]
+
+
+def _local_engine(path: Path, device: str | None, dtype: str | None, options: dict[str, object]) -> object:
+    from .engine.engine import Engine
+
+    return Engine(path, engine_config(dict(options)), device=device, dtype=dtype)
 
 
 def model_source(value: str) -> tuple[str, Path]:
@@ -207,8 +247,10 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, in
         keep_alive_s = parse_keep_alive(keep_alive)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
+    from .registry import default_home
+
     config = ServerConfig(
-        models=sources, preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
+        models=sources, registry_home=default_home(), preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
         host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)
@@ -245,38 +287,91 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
 
 
 @main.command()
-@click.argument("model", type=ModelPath())
+@click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
-def show(model: str, as_json: bool) -> None:
-    """What MODEL (a registry name, a .gguf file or an HF checkpoint folder) is: architecture, parameters
-    (total, and active per token for mixture-of-experts models), context, quantization."""
+@click.option("--template", "show_template", is_flag=True, help="Print only the chat template.")
+@click.option("--license", "show_license", is_flag=True, help="Print only the license (its text when the model has it).")
+def show(model: str, as_json: bool, show_template: bool, show_license: bool) -> None:
+    """What MODEL (a registry name, a .gguf file or an HF checkpoint folder) is: architecture,
+    parameters (total, and active per token for mixture-of-experts models), context,
+    quantization, size, chat template, license and files."""
     import json
 
-    from .model_info import model_info
+    from .model_facts import model_facts
 
-    info, lines = model_info(model)
-    if as_json:
-        click.echo(json.dumps(info, indent=2))
+    facts, lines = model_facts(model)
+    if show_template:
+        click.echo(facts["template"] or f"{model} has no chat template")
+    elif show_license:
+        click.echo(facts["license_text"] or facts["license"] or f"{model} declares no license")
+    elif as_json:
+        click.echo(json.dumps(facts, indent=2))
     else:
         _echo_lines(lines)
 
 
 @main.command()
 @click.argument("source")
-@click.option("--name", default=None, help="Register as NAME[:TAG] (default: the file or folder name).")
-def pull(source: str, name: str | None) -> None:
-    """Add a model to the registry from SOURCE: a local .gguf file or HF checkpoint
-    folder (copied into the store, content-addressed)."""
-    from .registry import open_registry
-    from .registry.local import import_local
+@click.option("--name", default=None, help="Register as NAME[:TAG] (default: from the repo and quantization, or the "
+              "file or folder name).")
+@click.option("--sha256", default=None, help="The expected sha256 of a URL's file (checked before it is registered).")
+@click.option("--json", "as_json", is_flag=True, help="Print the registered model as JSON.")
+def pull(source: str, name: str | None, sha256: str | None, as_json: bool) -> None:
+    """Add a model to the registry from SOURCE:
 
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise click.ClickException(f"{source}: no such file or folder (pulling from the Hub or a URL is not "
-                                   "available yet)")
-    record = import_local(open_registry(), path, name)
-    click.echo(f"{record.name}  {record.format}  {record.architecture}  {record.quantization}  "
-               f"{_size(record.size)}")
+    \b
+    hf.co/OWNER/REPO[:TAG]   a Hub repo; in a GGUF repo TAG picks the quantization
+                             (default Q4_K_M) or a file name
+    https://.../FILE.gguf    a file by URL (resumable)
+    ./model.gguf, ./folder   a local file or HF checkpoint folder (copied)
+
+    An interrupted pull resumes where it stopped; every file is verified before
+    the model is listed."""
+    import json
+
+    from .registry import open_registry
+    from .registry.pull import progress_bar
+    from .registry.pull import pull as pull_model
+
+    with progress_bar() as progress:
+        record = pull_model(open_registry(), source, name, sha256, progress)
+    if as_json:
+        click.echo(json.dumps(record.as_dict(), indent=2))
+    else:
+        click.echo(f"{record.name}  {record.format}  {record.architecture}  {record.quantization.split(',')[0]}  "
+                   f"{_size(record.size)}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's answer as JSON.")
+def ps(as_json: bool) -> None:
+    """The models the daemon has loaded, their memory and when they unload."""
+    import json
+
+    from .client import DaemonClient
+
+    answer = DaemonClient().get("/api/ps")
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    rows = [("NAME", "DEVICE", "WEIGHTS", "KV CACHE", "REQUESTS", "UNTIL")]
+    for model in answer["models"]:
+        memory = model.get("memory", {})
+        until = model["expires_at"] or ("forever" if model["keep_alive_s"] is None else "in use")
+        rows.append((model["name"], str(memory.get("device", "?")), _size(int(memory.get("weights_bytes", 0))),
+                     _size(int(memory.get("kv_cache_bytes", 0))), str(model["requests_in_flight"]), until))
+    rows += [(name, "loading", "", "", "", "") for name in answer.get("loading", [])]
+    _echo_table(rows)
+
+
+@main.command()
+@click.argument("model")
+def stop(model: str) -> None:
+    """Unload MODEL from the daemon now (requests still running on it end with an error)."""
+    from .client import DaemonClient
+
+    answer = DaemonClient().post("/api/unload", {"model": model})
+    click.echo(f"stopped {answer['model']}" if answer["unloaded"] else f"{answer['model']} was not loaded")
 
 
 @main.command(name="list")
@@ -285,7 +380,7 @@ def list_models(as_json: bool) -> None:
     """The models in the registry."""
     import json
 
-    from .planner import human_count
+    from .units import human_count
     from .registry import open_registry
 
     records = open_registry().list()
@@ -295,9 +390,7 @@ def list_models(as_json: bool) -> None:
     rows = [("NAME", "FORMAT", "ARCH", "PARAMS", "QUANTIZATION", "SIZE")] + [
         (str(r.name), r.format, r.architecture, human_count(r.parameters), r.quantization.split(",")[0],
          _size(r.size)) for r in records]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    _echo_table(rows)
 
 
 @main.command()
@@ -324,9 +417,15 @@ def cp(source: str, destination: str) -> None:
 
 
 def _size(size: int) -> str:
-    from .planner import human_bytes
+    from .units import human_bytes
 
     return human_bytes(size)
+
+
+def _echo_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def _echo_lines(lines: list[tuple[str, str]]) -> None:

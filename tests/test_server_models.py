@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from localserve.server.app import ServerConfig, open_engine
+from localserve.server.catalog import ModelCatalog
 from localserve.server.model_manager import ManagerOptions, ModelManager, ModelUnavailableError, parse_keep_alive
 
 from .server_util import running_server, small_engine_config, stories_with_template
@@ -151,7 +152,7 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
     sources = {name: Path(name) for name in "abcd"}
 
     async def run() -> None:
-        manager = ModelManager(sources, load, options)  # type: ignore[arg-type]
+        manager = ModelManager(ModelCatalog(sources), load, options)  # type: ignore[arg-type]
         original_unload = manager.unload
 
         async def unload(name: str) -> bool:
@@ -178,7 +179,7 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
 
 def test_limit_reached_with_every_model_busy_is_503() -> None:
     async def run() -> None:
-        manager = ModelManager({"a": Path("a"), "b": Path("b")}, lambda name, path: FakeEngine(),  # type: ignore[arg-type,return-value]
+        manager = ModelManager(ModelCatalog({"a": Path("a"), "b": Path("b")}), lambda name, path: FakeEngine(),  # type: ignore[arg-type,return-value]
                                ManagerOptions(max_loaded_models=1))
         await manager.acquire("a")
         with pytest.raises(ModelUnavailableError) as raised:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import os
+import sqlite3
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,7 @@ class ModelRecord:
     size: int  # bytes of all its files
     source: str
     files: list[ModelFile] = field(default_factory=list)
+    license: str | None = None
     created: str = ""
     last_used: str | None = None
 
@@ -85,15 +88,18 @@ class Registry:
         home.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(home / "blobs")
         self.links = home / "models"
-        self.db = sqlite_utils.Database(home / "registry.db")
+        # One connection, used by one thread at a time (the daemon's event loop, or the CLI).
+        self.db = sqlite_utils.Database(sqlite3.connect(home / "registry.db", check_same_thread=False))
         self.db.enable_wal()
         self.db.conn.execute("PRAGMA busy_timeout = 10000")  # the daemon and the CLI may write at once
         with self.db.conn:
             self.db["models"].create({
                 "id": str, "name": str, "tag": str, "format": str, "architecture": str, "quantization": str,
                 "parameters": int, "active_parameters": int, "context_length": int, "size": int, "source": str,
-                "created": str, "last_used": str,
+                "license": str, "created": str, "last_used": str,
             }, pk="id", if_not_exists=True)
+            if "license" not in self.db["models"].columns_dict:  # a catalogue from before licenses were kept
+                self.db["models"].add_column("license", str)
             self.db["files"].create({"model": str, "name": str, "role": str, "digest": str, "size": int},
                                     pk=("model", "name"), foreign_keys=[("model", "models", "id")],
                                     if_not_exists=True)
@@ -149,7 +155,7 @@ class Registry:
             self.db["models"].insert({"id": model_id, "name": record.name.name, "tag": record.name.tag, **row})
             self.db["files"].insert_all({"model": model_id, "name": f.name, "role": f.role, "digest": f.digest,
                                          "size": f.size} for f in record.files)
-        self.blobs.remove(d for d in orphans if not self._referenced(d))
+        self.forget_unused(orphans)
         self._link(record)
         return record
 
@@ -169,6 +175,10 @@ class Registry:
         self.blobs.remove(orphans)
         self._unlink(record.name)
         return orphans
+
+    def forget_unused(self, digests: Iterable[str]) -> None:
+        """Delete the blobs among ``digests`` that no model uses (after a failed pull)."""
+        self.blobs.remove([d for d in set(digests) if not self._referenced(d)])
 
     def _delete_rows(self, model_id: str) -> set[str]:
         digests = {row["digest"] for row in self.db["files"].rows_where("model = ?", [model_id])}

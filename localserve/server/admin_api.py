@@ -59,8 +59,8 @@ async def load(request: Request, body: LoadRequest) -> dict[str, Any]:
 @router.post("/api/unload")
 async def unload(request: Request, body: UnloadRequest) -> dict[str, Any]:
     manager = state_of(request).manager
-    manager.path_of(body.model)  # 404 when unknown
-    return {"model": body.model, "unloaded": await manager.unload(body.model)}
+    name = manager.loaded_name(body.model)  # 404 when unknown
+    return {"model": name, "unloaded": await manager.unload(name)}
 
 
 @router.get("/api/stats")

@@ -22,6 +22,7 @@ from ..engine.config import EngineConfig
 from . import admin_api, errors, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
+from .catalog import ModelCatalog
 from .model_manager import DEFAULT_KEEP_ALIVE_S, ManagerOptions, ModelManager
 from .state import ServerState
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServerConfig:
     models: dict[str, Path] = field(default_factory=dict)  # name -> checkpoint path
+    registry_home: Path | None = None  # the registry whose models are served too (None: only `models`)
     preload: list[str] = field(default_factory=list)  # names loaded at start-up
     engine: EngineConfig = field(default_factory=EngineConfig)
     device: str | None = None
@@ -71,7 +73,8 @@ def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | 
 
     options = ManagerOptions(default_keep_alive=config.keep_alive, max_loaded_models=config.max_loaded_models,
                              needed_bytes=lambda path: needed_bytes(path, config))
-    manager = ModelManager(config.models, load or open_engine(config), options)
+    catalog = ModelCatalog(config.models, config.registry_home)
+    manager = ModelManager(catalog, load or open_engine(config), options)
     guard = GuardState(api_key=config.api_key, loopback_only=is_loopback(config.host),
                        max_body_bytes=config.max_body_bytes)
     state = ServerState(config, manager, Metrics(lambda: state.snapshots()), guard)

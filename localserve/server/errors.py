@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import EngineDeadError, QueueFullError
 from ..errors import LocalserveError
-from .model_manager import ModelNotFoundError, ModelUnavailableError
+from .catalog import ModelNotFoundError
+from .model_manager import ModelUnavailableError
 
 log = logging.getLogger(__name__)
 

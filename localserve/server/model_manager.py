@@ -23,6 +23,7 @@ from ..chat_template import ChatTemplate
 from ..engine.async_engine import AsyncEngine
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..tokenizer import Tokenizer
+from .catalog import ModelCatalog, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,6 @@ DEFAULT_KEEP_ALIVE_S = 300.0
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _EXPIRY_CHECK_S = 0.25
-
-
-class ModelNotFoundError(LocalserveError):
-    """No model of that name is known."""
 
 
 class ModelUnavailableError(LocalserveError):
@@ -77,6 +74,7 @@ class LoadedModel:
     name: str
     path: Path
     engine: AsyncEngine
+    version: str = ""  # the catalogue's version of the name when loaded (a new pull changes it)
     loaded_at: float = field(default_factory=time.time)  # wall clock, for display
     last_used: float = field(default_factory=time.monotonic)
     keep_alive: float = DEFAULT_KEEP_ALIVE_S
@@ -149,9 +147,9 @@ class ManagerOptions:
 class ModelManager:
     """Owns the loaded models; all methods run on the server's event loop."""
 
-    def __init__(self, sources: dict[str, Path], open_engine: Callable[[str, Path], AsyncEngine],
+    def __init__(self, catalog: ModelCatalog, open_engine: Callable[[str, Path], AsyncEngine],
                  options: ManagerOptions | None = None) -> None:
-        self.sources = dict(sources)
+        self.catalog = catalog
         self.options = options or ManagerOptions()
         self._open_engine = open_engine
         self.loaded: dict[str, LoadedModel] = {}
@@ -159,16 +157,18 @@ class ModelManager:
         self._expiry_task: asyncio.Task[None] | None = None
 
     def names(self) -> list[str]:
-        return sorted(self.sources)
+        return self.catalog.names()
 
     def is_loading(self, name: str) -> bool:
         return name in self._loading
 
-    def path_of(self, name: str) -> Path:
-        if name not in self.sources:
-            known = ", ".join(self.names()) or "none"
-            raise ModelNotFoundError(f"model {name!r} does not exist (known models: {known})")
-        return self.sources[name]
+    def loaded_name(self, name: str) -> str:
+        """The loaded model ``name`` refers to (``stories`` -> ``stories:latest``), even if
+        it has since been removed from the registry; ModelNotFoundError if none is."""
+        canonical = self.catalog.canonical(name)
+        if canonical in self.loaded:
+            return canonical  # type: ignore[return-value]
+        return self.catalog.find(name).name  # raises for an unknown name
 
     # -- serving ------------------------------------------------------------------------
 
@@ -206,13 +206,19 @@ class ModelManager:
     # -- loading and unloading -------------------------------------------------------------
 
     async def load(self, name: str, wait: float | None = None, keep_alive: float | None = None) -> LoadedModel:
-        """Load ``name`` (or join a load under way); ``keep_alive`` applies from now."""
-        path = self.path_of(name)
+        """Load ``name`` (or join a load under way); ``keep_alive`` applies from now.
+        A model whose name was pulled anew since it was loaded is reloaded once idle."""
+        entry = self.catalog.find(name)
+        name = entry.name
         model = self.loaded.get(name)
+        if model is not None and model.version != entry.version and model.idle:
+            log.info("%s changed in the registry; reloading it", name)
+            await self.unload(name)
+            model = None
         if model is None:
             task = self._loading.get(name)
             if task is None:
-                task = asyncio.get_running_loop().create_task(self._load(name, path))
+                task = asyncio.get_running_loop().create_task(self._load(name, entry.path, entry.version))
                 self._loading[name] = task
                 task.add_done_callback(lambda _: self._loading.pop(name, None))
             try:
@@ -225,7 +231,7 @@ class ModelManager:
                 self._schedule_expiry(model)
         return model
 
-    async def _load(self, name: str, path: Path) -> LoadedModel:
+    async def _load(self, name: str, path: Path, version: str) -> LoadedModel:
         started = time.monotonic()
         while len(self.loaded) >= self.options.max_loaded_models:
             await self._unload_lru_idle(f"{len(self.loaded)} models are loaded, the most allowed")
@@ -236,9 +242,10 @@ class ModelManager:
                 break
             except InsufficientMemoryError as exc:
                 await self._unload_lru_idle(str(exc))
-        model = LoadedModel(name, path, engine, keep_alive=self.options.default_keep_alive)
+        model = LoadedModel(name, path, engine, version, keep_alive=self.options.default_keep_alive)
         self._schedule_expiry(model)
         self.loaded[name] = model
+        self.catalog.touch(name)
         log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - started)
         return model
 

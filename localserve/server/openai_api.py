@@ -46,9 +46,10 @@ async def _acquire(request: Request, name: str) -> LoadedModel:
 
 def _model_card(request: Request, name: str) -> dict[str, Any]:
     manager = state_of(request).manager
-    model = manager.loaded.get(name)
-    card: dict[str, Any] = {"id": name, "object": "model", "owned_by": "localserve",
-                            "created": int(model.loaded_at if model else manager.path_of(name).stat().st_mtime)}
+    entry = manager.catalog.find(name)
+    model = manager.loaded.get(entry.name)
+    card: dict[str, Any] = {"id": entry.name, "object": "model", "owned_by": "localserve",
+                            "created": int(model.loaded_at if model else entry.created)}
     if model is not None:
         card["max_model_len"] = model.max_model_len
     return card
@@ -61,8 +62,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> dict[str, Any]:
-    state_of(request).manager.path_of(model_id)  # 404 when unknown
-    return _model_card(request, model_id)
+    return _model_card(request, model_id)  # 404 when unknown
 
 
 # -- chat completions ---------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""``localserve show``: a model's metadata (``model_info``) with what the registry and
+the checkpoint add: its chat template, license and files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import LocalserveError
+from .formats import open_checkpoint
+from .model_info import model_info
+from .registry import ModelRecord, open_registry
+from .registry.local import role_of
+
+_LICENSE_TEXT_LIMIT = 1 << 20
+
+
+def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The facts of ``model`` (a path, else a registry name) as a dict and as labelled lines."""
+    path = Path(model).expanduser()
+    record: ModelRecord | None = None
+    if not path.exists():
+        registry = open_registry()
+        record = registry.get(model)
+        path = registry.path(record.name)
+    info, lines = model_info(path)
+    files = _files(path, record)
+    template = _template(path)
+    license_text = _license_text(path, files)
+    license = (record.license if record else None) or _gguf_license(path)
+    facts: dict[str, Any] = {
+        **info, "name": str(record.name) if record else None, "source": record.source if record else None,
+        "created": record.created if record else None, "last_used": record.last_used if record else None,
+        "template": template, "license": license, "license_text": license_text, "files": files,
+    }
+    if record is not None:
+        lines.insert(0, ("name", str(record.name)))
+        lines.append(("source", record.source))
+    lines.append(("template", f"{len(template.splitlines())} lines (show --template prints it)" if template
+                  else "none (prompts are completed as plain text)"))
+    lines.append(("license", (license or "not declared") + (" (show --license prints it)" if license_text else "")))
+    lines += [("file" if i == 0 else "", f"{f['name']}  {f['role']}  {f['size']} bytes") for i, f in enumerate(files)]
+    return facts, lines
+
+
+def _files(path: Path, record: ModelRecord | None) -> list[dict[str, Any]]:
+    if record is not None:
+        return [{"name": f.name, "role": f.role, "size": f.size, "digest": f.digest} for f in record.files]
+    if path.is_file():
+        return [{"name": path.name, "role": "weights", "size": path.stat().st_size, "digest": None}]
+    return [{"name": p.name, "role": role_of(p.name), "size": p.stat().st_size, "digest": None}
+            for p in sorted(path.iterdir()) if p.is_file() and role_of(p.name)]
+
+
+def _template(path: Path) -> str | None:
+    try:
+        return open_checkpoint(path).chat_template().source
+    except LocalserveError:
+        return None
+
+
+def _gguf_license(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    found = open_checkpoint(path).gguf.metadata.get("general.license")  # type: ignore[union-attr]
+    return found if isinstance(found, str) else None
+
+
+def _license_text(path: Path, files: list[dict[str, Any]]) -> str | None:
+    names = [f["name"] for f in files if f["role"] == "license"]
+    if not names:
+        return None
+    folder = path if path.is_dir() else path.parent
+    with open(folder / names[0], "rb") as reader:
+        return reader.read(_LICENSE_TEXT_LIMIT).decode("utf-8", errors="replace")

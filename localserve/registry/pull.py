@@ -1,0 +1,100 @@
+"""``localserve pull SOURCE``: from the Hub, a URL or a local file or folder into the store.
+
+Every file lands in the blob store verified (size, and the digest the source
+publishes, when it does), and the model is registered only once all of them are
+there, so an interrupted or corrupt pull never shows up in ``localserve list``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlparse
+
+from rich.progress import Progress
+
+from ..errors import LocalserveError
+from . import hub
+from .blobs import check_digest
+from .download import RemoteFile, download
+from .local import default_name, import_local, register, role_of
+from .names import parse_name
+from .registry import ModelFile, ModelRecord, Registry, check_file_name
+
+
+def pull(registry: Registry, source: str, name: str | None = None, sha256: str | None = None,
+         progress: Progress | None = None) -> ModelRecord:
+    """Pull ``source``: ``hf.co/<owner>/<repo>[:<tag>]``, an ``https://`` URL of a .gguf
+    file, or a local .gguf file or HF checkpoint folder."""
+    if (hub_source := hub.parse_hub_source(source)) is not None:
+        return pull_hub(registry, hub_source, name, progress)
+    if re.match(r"https?://", source, re.IGNORECASE):
+        return pull_url(registry, source, name, sha256, progress)
+    path = Path(source).expanduser()
+    if path.exists():
+        return import_local(registry, path, name)
+    raise LocalserveError(f"{source!r} is neither a file or folder here, nor hf.co/<owner>/<repo>[:<tag>], "
+                          "nor an https:// URL")
+
+
+def pull_hub(registry: Registry, source: hub.HubSource, name: str | None = None,
+             progress: Progress | None = None) -> ModelRecord:
+    if hub.offline():
+        return _import_cached(registry, source, name)
+    revision, files, license = hub.list_repo(source, None)
+    if source.tag and not hub.is_gguf_repo(files):
+        revision, files, license = hub.list_repo(source, source.tag)  # the tag names a revision
+    plan = hub.plan_pull(source, revision, files, license, name)
+    headers = hub.auth_headers()
+    digests = [download(registry.blobs, remote, headers, progress) for remote in hub.remote_files(source, plan)]
+    return register(registry, plan.name, _model_files(registry, plan, digests), f"hf.co/{source.repo}@{revision}",
+                    license)
+
+
+def _import_cached(registry: Registry, source: hub.HubSource, name: str | None) -> ModelRecord:
+    """Offline: the same choice of files, from the Hugging Face cache."""
+    folder, files = hub.cached_snapshot(source, None)
+    if source.tag and not hub.is_gguf_repo(files):
+        folder, files = hub.cached_snapshot(source, source.tag)
+    plan = hub.plan_pull(source, folder.name, files, None, name)
+    digests = [registry.blobs.add_file(folder / file.path, _expected(file.sha256)) for file in plan.files]
+    return register(registry, plan.name, _model_files(registry, plan, digests), f"hf.co/{source.repo}@{folder.name}")
+
+
+def _expected(sha256: str | None) -> str | None:
+    return f"sha256-{sha256}" if sha256 else None
+
+
+def _model_files(registry: Registry, plan: hub.HubPlan, digests: list[str]) -> list[ModelFile]:
+    return [ModelFile(file.name, digest, registry.blobs.path(digest).stat().st_size,
+                      "weights" if file.name.lower().endswith(".gguf") else role_of(file.name) or "other")
+            for file, digest in zip(plan.files, digests, strict=True)]
+
+
+def progress_bar() -> Progress:
+    """Bytes, speed and time left per file, as the CLI shows a pull."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    # On stderr, so `pull --json` leaves stdout to the JSON.
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=Console(stderr=True))
+
+
+def pull_url(registry: Registry, url: str, name: str | None = None, sha256: str | None = None,
+             progress: Progress | None = None) -> ModelRecord:
+    """One .gguf file from a URL; ``sha256`` (hex, or sha256-hex) is checked when given."""
+    parsed = urlparse(url)
+    if parsed.scheme.lower() not in ("http", "https") or not parsed.netloc:
+        raise LocalserveError(f"{url[:200]!r} is not an http(s) URL")
+    file_name = check_file_name(unquote(PurePosixPath(parsed.path).name))
+    if not file_name.lower().endswith(".gguf"):
+        raise LocalserveError(f"{file_name!r}: a URL pull takes one .gguf file; for an HF checkpoint use "
+                              "hf.co/<owner>/<repo>")
+    expected = None
+    if sha256:
+        expected = check_digest(sha256 if sha256.startswith("sha256-") else f"sha256-{sha256.lower()}")
+    digest = download(registry.blobs, RemoteFile(url, file_name, digest=expected), progress=progress)
+    model_name = parse_name(name) if name else default_name(Path(file_name))
+    size = registry.blobs.path(digest).stat().st_size
+    return register(registry, model_name, [ModelFile(file_name, digest, size, "weights")], url)

@@ -1,0 +1,116 @@
+"""Where ``localserve run`` generates: on the daemon when one serves the model, else
+in this process. Both stream text pieces and stop generating when the iterator is
+closed (Ctrl-C in the chat)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .chat_repl import ChatSettings
+from .client import DaemonClient, DaemonError
+
+if TYPE_CHECKING:
+    from .engine.engine import Engine
+
+
+class Backend(Protocol):
+    has_template: bool  # whether chat messages can be rendered (else prompts are completed as plain text)
+    where: str  # said to the user: "daemon at http://..." or "in-process"
+
+    def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]: ...
+
+    def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]: ...
+
+
+def _sampling_fields(settings: ChatSettings) -> dict[str, Any]:
+    fields = {"temperature": settings.temperature, "top_p": settings.top_p, "top_k": settings.top_k,
+              "max_tokens": settings.max_tokens, "seed": settings.seed}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+@dataclass
+class DaemonBackend:
+    client: DaemonClient
+    model: str
+    has_template: bool
+
+    @property
+    def where(self) -> str:
+        return f"daemon at {self.client.url}"
+
+    def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
+        body = {"model": self.model, "messages": messages, **_sampling_fields(settings)}
+        return self.client.stream_text("/v1/chat/completions", body)
+
+    def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]:
+        body = {"model": self.model, "prompt": prompt, **_sampling_fields(settings)}
+        return self.client.stream_text("/v1/completions", body)
+
+
+class LocalBackend:
+    """An engine of this process's own, for one conversation at a time."""
+
+    where = "in-process"
+
+    def __init__(self, engine: Engine) -> None:
+        from .errors import LocalserveError
+
+        self.engine = engine
+        try:
+            self.template = engine.checkpoint.chat_template()
+        except LocalserveError:
+            self.template = None
+        self.has_template = self.template is not None
+
+    def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
+        assert self.template is not None
+        text = self.template.render(messages, add_generation_prompt=True)
+        # The template writes BOS itself where the model wants it.
+        return self._stream(self.engine.tokenizer.encode(text, add_special_tokens=False), settings)
+
+    def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]:
+        return self._stream(prompt, settings)
+
+    def _stream(self, prompt: str | list[int], settings: ChatSettings) -> Iterator[str]:
+        from .engine.sampling_params import SamplingParams
+
+        prompt_length = len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer.encode(prompt))
+        room = max(self.engine.max_model_len - prompt_length, 1)  # the engine refuses a prompt with no room
+        fields = _sampling_fields(settings)
+        fields["max_tokens"] = min(fields.get("max_tokens", room), room)
+        request_id = self.engine.add_request(prompt, SamplingParams(**fields))
+        shown = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id == request_id and len(output.text) > shown:
+                        yield output.text[shown:]
+                        shown = len(output.text)
+        finally:
+            if self.engine.has_unfinished_requests():
+                self.engine.abort(request_id)  # Ctrl-C, or an error: free the sequence
+
+
+def daemon_backend(client: DaemonClient, model: str, path: Path) -> DaemonBackend | None:
+    """The daemon, if it serves ``model``; None if it does not know that name."""
+    try:
+        client.get(f"/v1/models/{model}")
+    except DaemonError as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return DaemonBackend(client, model, has_chat_template(path))
+
+
+def has_chat_template(path: Path) -> bool:
+    from .errors import LocalserveError
+    from .formats import open_checkpoint
+
+    try:
+        open_checkpoint(path).chat_template()
+    except LocalserveError:
+        return False
+    return True
