@@ -333,8 +333,12 @@ def pull(source: str, name: str | None, sha256: str | None, as_json: bool) -> No
     from .registry.pull import progress_bar
     from .registry.pull import pull as pull_model
 
-    with progress_bar() as progress:
+    progress = progress_bar()
+    try:
         record = pull_model(open_registry(), source, name, sha256, progress)
+    finally:
+        if progress.live.is_started:
+            progress.stop()
     if as_json:
         click.echo(json.dumps(record.as_dict(), indent=2))
     else:

@@ -59,20 +59,23 @@ class DaemonClient:
     def stream_text(self, path: str, body: dict[str, Any]) -> Iterator[str]:
         """POST a streaming completion and yield each chunk's new text; closing the
         iterator closes the connection, which cancels the request on the daemon."""
-        with self.http.stream("POST", path, json={**body, "stream": True}) as response:
-            if response.status_code != 200:
-                response.read()
-                raise _error(response)
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line.removeprefix("data: "))
-                if "error" in event:
-                    raise DaemonError(str(event["error"].get("message", event["error"])), 500)
-                for choice in event.get("choices", []):
-                    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
-                    if text:
-                        yield text
+        try:
+            with self.http.stream("POST", path, json={**body, "stream": True}) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise _error(response)
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line.removeprefix("data: "))
+                    if "error" in event:
+                        raise DaemonError(str(event["error"].get("message", event["error"])), 500)
+                    for choice in event.get("choices", []):
+                        text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                        if text:
+                            yield text
+        except httpx.HTTPError as exc:
+            raise LocalserveError(f"lost the daemon at {self.url} ({exc})") from exc
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:

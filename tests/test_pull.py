@@ -125,7 +125,7 @@ def test_tag_picks_quantization_or_file(hub: FakeHub, tmp_path: Path, tag: str, 
 
 def test_unknown_tag_lists_the_files_and_registers_nothing(hub: FakeHub, tmp_path: Path) -> None:
     registry = open_registry(tmp_path / "home")
-    with pytest.raises(LocalserveError, match="Q5_K_S.*matches no file.*stories-260k-q8_0.gguf"):
+    with pytest.raises(LocalserveError, match="Q5_K_S.*matches no file.*stories-260K-Q8_0.gguf"):
         pull(registry, f"hf.co/{GGUF_REPO}:Q5_K_S")
     assert registry.list() == [] and fetched(hub) == set()
 
@@ -274,3 +274,39 @@ def test_nothing_is_written_outside_the_home(hub: FakeHub, tmp_path: Path) -> No
     written = {p.relative_to(home).parts[0] for p in home.rglob("*")}
     assert written <= {"blobs", "models", "registry.db", "registry.db-wal", "registry.db-shm"}
     assert sorted(os.listdir(tmp_path)) == ["home"]
+
+
+def test_cli_pull_shows_progress_and_prints_json(hub: FakeHub, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from localserve.cli import main
+
+    runner = CliRunner(env={"LOCALSERVE_HOME": str(tmp_path / "home")})
+    result = runner.invoke(main, ["pull", f"hf.co/{GGUF_REPO}:f32", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["name"] == "stories-260k:f32" and record["license"] == "mit"
+    assert "stories-260K-F32.gguf" in result.stderr  # the progress bar's line
+    listing = runner.invoke(main, ["list"]).output
+    assert listing.splitlines()[1].split()[:2] == ["stories-260k:f32", "gguf"]
+    failed = runner.invoke(main, ["pull", f"hf.co/{GGUF_REPO}:nope"])
+    assert failed.exit_code == 1 and failed.output.startswith("Error: 'nope' matches no file")
+
+
+@pytest.mark.parametrize("text, repo, tag", [
+    ("hf.co/Qwen/Qwen2.5-0.5B-Instruct-GGUF", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", None),
+    ("huggingface.co/acme/m:Q4_K_M", "acme/m", "Q4_K_M"),
+    ("https://huggingface.co/acme/m:q8_0", "acme/m", "q8_0"),
+    ("hf.co/acme/m:sub/m-Q4_K_M.gguf", "acme/m", "sub/m-Q4_K_M.gguf"),
+])
+def test_hub_sources(text: str, repo: str, tag: str | None) -> None:
+    from localserve.registry.hub import HubSource, parse_hub_source
+
+    assert parse_hub_source(text) == HubSource(repo, tag)
+
+
+def test_a_hub_file_url_is_a_url() -> None:
+    from localserve.registry.hub import parse_hub_source
+
+    assert parse_hub_source("https://huggingface.co/acme/m/resolve/main/m-Q4_K_M.gguf") is None
+    assert parse_hub_source("./models/x.gguf") is None

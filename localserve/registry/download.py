@@ -53,7 +53,10 @@ def download(store: BlobStore, remote: RemoteFile, headers: dict[str, str] | Non
         return remote.digest  # another model (or an earlier pull) has it already
     partial = store.partial_path(key)
     with _exclusive(partial), httpx.Client(timeout=_TIMEOUT, follow_redirects=True) as client:
-        task = progress.add_task(remote.name, total=remote.size) if progress is not None else None
+        task = None
+        if progress is not None:
+            progress.start()  # shown from the first download on (a local import shows no bar)
+            task = progress.add_task(remote.name, total=remote.size)
         for attempt in range(retries + 1):
             try:
                 _fetch(client, remote, partial, headers or {}, progress, task)

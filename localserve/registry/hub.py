@@ -71,10 +71,11 @@ def parse_hub_source(text: str) -> HubSource | None:
     rest = text[len(prefix):]
     repo, _, tag = rest.partition(":")
     parts = repo.strip("/").split("/")
+    if prefix.startswith("https://") and len(parts) != 2:
+        return None  # a file's URL (.../resolve/main/x.gguf): pulled as a URL
     if len(parts) != 2 or not all(_REPO_PART.fullmatch(p) and ".." not in p for p in parts):
         raise LocalserveError(f"{text!r} is not a Hub model: use hf.co/<owner>/<repo>[:<tag>]")
-    if tag and (len(tag) > 200 or "/" in tag.replace("\\", "/") and not tag.lower().endswith(".gguf")
-                or ".." in tag or tag.startswith("/")):
+    if tag and (len(tag) > 200 or ".." in tag or tag.startswith("/") or "\\" in tag or "\0" in tag):
         raise LocalserveError(f"{tag!r} is not a tag: use a quantization (Q4_K_M), a file name or a revision")
     return HubSource("/".join(parts), tag or None)
 
@@ -117,7 +118,7 @@ def choose_gguf(files: list[RepoFile], tag: str | None) -> tuple[list[RepoFile],
     else:
         matching = {_model_key(f.path) for f in ggufs if _quant_pattern(wanted).search(f.path.lower())}
         if len(matching) != 1:
-            listed = ", ".join(sorted({_model_key(f.path) for f in ggufs})) or "none"
+            listed = ", ".join(sorted({_SPLIT.sub(".gguf", f.path) for f in ggufs})) or "none"
             problem = "matches several files" if matching else "matches no file"
             hint = "" if tag else f" (no {DEFAULT_QUANT} here: add :<quantization> to the name)"
             raise LocalserveError(f"{wanted!r} {problem} in this repo{hint}; its GGUF files: {listed}")
