@@ -29,6 +29,13 @@ def quantization(checkpoint: Checkpoint) -> str:
     return checkpoint.spec.torch_dtype or "unknown dtype"
 
 
+def checkpoint_format(checkpoint: Checkpoint) -> str:
+    """gguf, gptq, awq, or safetensors (plain Hugging Face weights)."""
+    if checkpoint.gguf is not None:
+        return "gguf"
+    return checkpoint.quant.method if checkpoint.quant else "safetensors"
+
+
 def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str]]]:
     """The facts as a dict (``--json``) and as (label, text) lines for people; the size
     is the weight files' on disk (every shard of a split GGUF)."""
@@ -39,7 +46,7 @@ def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str
     file_bytes = sum(f.stat().st_size for f in files)
     info: dict[str, object] = {
         "path": str(checkpoint.path),
-        "format": "gguf" if checkpoint.gguf is not None else (checkpoint.quant.method if checkpoint.quant else "hf"),
+        "format": checkpoint_format(checkpoint),
         "architecture": spec.architecture,
         "quantization": quantization(checkpoint),
         "parameters": counts.total,

@@ -97,7 +97,7 @@ def test_admin_load_unload_stats(model_path: Path) -> None:
         (model,) = stats["models"]
         assert model["engine"]["num_generated_tokens_total"] >= 3
         assert model["engine"]["generation_tokens_per_s"] > 0
-        assert model["recent"]["requests"] == 1 and model["recent"]["ttft_ms_median"] > 0
+        assert model["recent"]["requests"] == 1 and model["recent"]["ttft_ms_p50"] > 0
         assert httpx.post(f"{url}/api/unload", json={"model": "a"}).json() == {"model": "a", "unloaded": True}
         assert loaded(url) == []
         assert httpx.post(f"{url}/api/unload", json={"model": "zz"}).status_code == 404
@@ -155,8 +155,8 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
         manager = ModelManager(ModelCatalog(sources), load, options)  # type: ignore[arg-type]
         original_unload = manager.unload
 
-        async def unload(name: str) -> bool:
-            unloaded = await original_unload(name)
+        async def unload(name: str, reason: str = "requested") -> bool:
+            unloaded = await original_unload(name, reason)
             if unloaded:
                 unload_returns_memory(name)
             return unloaded

@@ -48,7 +48,7 @@ def record_for(path: Path, name: ModelName, source: str, license: str | None = N
             found = gguf.metadata.get("general.license")
             license = found if isinstance(found, str) else None
     return ModelRecord(
-        name=name, format="safetensors" if info["format"] == "hf" else str(info["format"]),
+        name=name, format=str(info["format"]),
         architecture=str(info["architecture"]), quantization=str(info["quantization"]),
         parameters=int(info["parameters"]), active_parameters=int(info["active_parameters"]),  # type: ignore[call-overload]
         context_length=int(info["context_length"]), size=0, source=source, license=license,  # type: ignore[call-overload]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import platform
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .. import __version__
+from .host import host_stats
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import LoadRequest, UnloadRequest
 from .state import state_of
@@ -71,12 +73,17 @@ async def stats(request: Request) -> dict[str, Any]:
     for model in state.manager.loaded.values():
         models.append({
             **_running_model(model),
+            **model.description(),
             "engine": model.engine.stats,
             "requests": [dataclasses.asdict(r) for r in model.engine.requests],
             "recent": state.metrics.recent_summary(model.name),
         })
+    known = state.manager.names()
+    state.events.note_registry([name for name in known if name not in state.config.models])
     return {"version": __version__, "ready": state.ready, "draining": state.guard.draining,
-            "known_models": state.manager.names(), "models": models}
+            "started_at": _iso(state.started_at), "uptime_s": round(time.time() - state.started_at, 1),
+            "host": host_stats(state.device, state.device_name),
+            "known_models": known, "models": models, "events": state.events.recent()}
 
 
 @router.get("/api/version")

@@ -23,6 +23,7 @@ from . import admin_api, errors, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
 from .catalog import ModelCatalog
+from .events import EventLog
 from .model_manager import DEFAULT_KEEP_ALIVE_S, ManagerOptions, ModelManager
 from .state import ServerState
 
@@ -73,14 +74,16 @@ def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | 
 
     options = ManagerOptions(default_keep_alive=config.keep_alive, max_loaded_models=config.max_loaded_models,
                              needed_bytes=lambda path: needed_bytes(path, config))
+    events = EventLog()
     catalog = ModelCatalog(config.models, config.registry_home)
-    manager = ModelManager(catalog, load or open_engine(config), options)
+    manager = ModelManager(catalog, load or open_engine(config), options, events)
     guard = GuardState(api_key=config.api_key, loopback_only=is_loopback(config.host),
                        max_body_bytes=config.max_body_bytes)
-    state = ServerState(config, manager, Metrics(lambda: state.snapshots()), guard)
+    state = ServerState(config, manager, Metrics(lambda: state.snapshots()), guard, events)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.device, state.device_name = await asyncio.to_thread(_device, config.device)
         manager.start()
         preload = asyncio.create_task(_preload(state))
         try:
@@ -101,6 +104,15 @@ def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | 
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],  # type: ignore[arg-type]
                            allow_headers=["Authorization", "Content-Type"])
     return app
+
+
+def _device(wanted: str | None) -> tuple[str, str]:
+    """Where models load and its name, found once (torch is imported here, not per request)."""
+    from ..engine.engine import pick_device
+    from .host import device_name
+
+    device = str(pick_device(wanted))
+    return device, device_name(device)
 
 
 async def _preload(state: ServerState) -> None:

@@ -74,13 +74,20 @@ def _http_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers)
 
 
-def _engine_error(_: Request, exc: Exception) -> JSONResponse:
+def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+    _note_error(request, str(exc))
     return error_response(500, str(exc), "server_error")
 
 
 def _bug(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
+    _note_error(request, f"{type(exc).__name__} serving {request.method} {request.url.path}")
     return error_response(500, "internal server error (a bug: see the server log)", "server_error")
+
+
+def _note_error(request: Request, message: str) -> None:
+    """A 500 goes to the event log too, where the dashboard shows it."""
+    request.app.state.localserve.events.add("error", None, message[:300])
 
 
 def install(app: FastAPI) -> None:

@@ -115,7 +115,7 @@ class Metrics:
         self.recent.setdefault(model, deque(maxlen=_RECENT)).append(FinishedTiming(first - arrival, tpot, finish - arrival))
 
     def recent_summary(self, model: str) -> dict[str, float | int | None]:
-        """Median and p90 TTFT/TPOT (ms) over the model's last finished requests."""
+        """p50 and p99 TTFT/TPOT (ms) over the model's last finished requests."""
         timings = list(self.recent.get(model, ()))
         ttft = [t.ttft for t in timings]
         tpot = [t.tpot for t in timings if t.tpot is not None]
@@ -127,6 +127,7 @@ class Metrics:
 
 def _percentiles(name: str, values: list[float]) -> dict[str, float | None]:
     if not values:
-        return {f"{name}_median": None, f"{name}_p90": None}
-    p90 = statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
-    return {f"{name}_median": round(statistics.median(values) * 1000, 2), f"{name}_p90": round(p90 * 1000, 2)}
+        return {f"{name}_p50": None, f"{name}_p99": None}
+    # The inclusive method keeps p99 within the values seen (at most their maximum).
+    p99 = statistics.quantiles(values, n=100, method="inclusive")[-1] if len(values) > 1 else values[0]
+    return {f"{name}_p50": round(statistics.median(values) * 1000, 2), f"{name}_p99": round(p99 * 1000, 2)}

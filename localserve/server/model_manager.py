@@ -24,6 +24,7 @@ from ..engine.async_engine import AsyncEngine
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..tokenizer import Tokenizer
 from .catalog import ModelCatalog, ModelNotFoundError
+from .events import EventLog
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class LoadedModel:
     active: int = 0  # requests being served
 
     _chat_template: ChatTemplate | None = field(default=None, init=False, repr=False)
+    _description: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     @property
     def idle(self) -> bool:
@@ -116,6 +118,15 @@ class LoadedModel:
             self._chat_template = self.engine.engine.checkpoint.chat_template()
         return self._chat_template
 
+    def description(self) -> dict[str, str]:
+        """Its format and quantization (``localserve show``'s words), worked out once."""
+        if self._description is None:
+            from ..model_info import checkpoint_format, quantization
+
+            checkpoint = self.engine.engine.checkpoint
+            self._description = {"format": checkpoint_format(checkpoint), "quantization": quantization(checkpoint)}
+        return self._description
+
     def expires_wall(self) -> float | None:
         """The expiry on the wall clock (None: in use or kept forever)."""
         if self.expires_at is None:
@@ -148,8 +159,9 @@ class ModelManager:
     """Owns the loaded models; all methods run on the server's event loop."""
 
     def __init__(self, catalog: ModelCatalog, open_engine: Callable[[str, Path], AsyncEngine],
-                 options: ManagerOptions | None = None) -> None:
+                 options: ManagerOptions | None = None, events: EventLog | None = None) -> None:
         self.catalog = catalog
+        self.events = events or EventLog()
         self.options = options or ManagerOptions()
         self._open_engine = open_engine
         self.loaded: dict[str, LoadedModel] = {}
@@ -212,8 +224,7 @@ class ModelManager:
         name = entry.name
         model = self.loaded.get(name)
         if model is not None and model.version != entry.version and model.idle:
-            log.info("%s changed in the registry; reloading it", name)
-            await self.unload(name)
+            await self.unload(name, "its name was pulled anew; reloading")
             model = None
         if model is None:
             task = self._loading.get(name)
@@ -242,11 +253,14 @@ class ModelManager:
                 break
             except InsufficientMemoryError as exc:
                 await self._unload_lru_idle(str(exc))
+            except Exception as exc:
+                self.events.add("load_failed", name, str(exc).splitlines()[0][:300] if str(exc) else repr(exc))
+                raise
         model = LoadedModel(name, path, engine, version, keep_alive=self.options.default_keep_alive)
         self._schedule_expiry(model)
         self.loaded[name] = model
         self.catalog.touch(name)
-        log.info("loaded %s from %s in %.1f s", name, path, time.monotonic() - started)
+        self.events.add("load", name, f"loaded from {path} in {time.monotonic() - started:.1f} s")
         return model
 
     async def _make_room(self, path: Path) -> None:
@@ -268,10 +282,9 @@ class ModelManager:
             raise ModelUnavailableError(f"{reason}, and every loaded model is serving requests; retry shortly",
                                         retry_after=5)
         victim = min(idle, key=lambda model: model.last_used)
-        log.info("unloading %s (least recently used) to make room: %s", victim.name, reason)
-        await self.unload(victim.name)
+        await self.unload(victim.name, f"least recently used, to make room: {reason}")
 
-    async def unload(self, name: str) -> bool:
+    async def unload(self, name: str, reason: str = "requested") -> bool:
         """Unload ``name`` now; requests still running on it end with an error."""
         model = self.loaded.pop(name, None)
         if model is None:
@@ -279,12 +292,12 @@ class ModelManager:
         await asyncio.to_thread(model.engine.shutdown)
         del model
         await asyncio.to_thread(_release_memory)
-        log.info("unloaded %s", name)
+        self.events.add("unload", name, f"unloaded ({reason})")
         return True
 
     async def unload_all(self) -> None:
         for name in list(self.loaded):
-            await self.unload(name)
+            await self.unload(name, "shutting down")
 
     # -- expiry ---------------------------------------------------------------------------
 
@@ -307,7 +320,7 @@ class ModelManager:
     async def _unload_if_expired(self, model: LoadedModel) -> None:
         expired = model.idle and model.expires_at is not None and model.expires_at <= time.monotonic()
         if expired and self.loaded.get(model.name) is model:
-            await self.unload(model.name)
+            await self.unload(model.name, "keep_alive expired")
 
 
 def _release_memory() -> None:

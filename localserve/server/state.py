@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from .events import EventLog
 from .guard import GuardState
 from .metrics import Metrics
 from .model_manager import ModelManager
@@ -21,7 +23,11 @@ class ServerState:
     manager: ModelManager
     metrics: Metrics
     guard: GuardState
+    events: EventLog
     ready: bool = False  # preloading done
+    started_at: float = field(default_factory=time.time)
+    device: str = "cpu"  # where models load, and its name (set at start-up)
+    device_name: str = ""
 
     def snapshots(self) -> dict[str, dict]:
         return {name: model.engine.stats for name, model in self.manager.loaded.items()}

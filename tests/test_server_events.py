@@ -1,0 +1,85 @@
+"""What /api/stats tells the dashboard beyond the engine's counters: uptime, the host,
+each model's format and quantization, latency percentiles, and the event log."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import httpx
+import psutil
+
+from localserve.model_info import model_info
+from localserve.registry import open_registry
+from localserve.registry.local import import_local
+from localserve.server.app import ServerConfig
+from localserve.server.events import EventLog
+from localserve.server.metrics import _percentiles
+
+from .conftest import STORIES_HF
+from .server_util import running_server, small_engine_config
+
+
+def events(url: str) -> list[dict]:
+    return httpx.get(f"{url}/api/stats").json()["events"]
+
+
+def test_stats_describe_the_host_the_models_and_what_happened(tmp_path: Path) -> None:
+    config = ServerConfig(models={"stories": STORIES_HF}, preload=["stories"], registry_home=tmp_path / "home",
+                          engine=small_engine_config(), device="cpu")
+    with running_server(config) as server:
+        stats = httpx.get(f"{server.url}/api/stats").json()
+        assert stats["uptime_s"] >= 0 and stats["started_at"].endswith("+00:00")
+        host = stats["host"]
+        assert host["device"] == "cpu" and host["device_name"] and host["gpus"] == []
+        assert host["memory_total_bytes"] == psutil.virtual_memory().total
+        assert 0 < host["memory_used_bytes"] < host["memory_total_bytes"] and 0 <= host["cpu_percent"] <= 100
+        (model,) = stats["models"]
+        info, _ = model_info(STORIES_HF)
+        assert (model["format"], model["quantization"]) == ("safetensors", info["quantization"])
+        (load,) = stats["events"]
+        assert load["kind"] == "load" and load["model"] == "stories" and load["seq"] == 1
+
+        import_local(open_registry(tmp_path / "home"), STORIES_HF, "fresh")
+        assert [(e["kind"], e["model"]) for e in events(server.url)[1:]] == [("pull", "fresh:latest")]
+        open_registry(tmp_path / "home").remove("fresh")
+        assert events(server.url)[-1]["kind"] == "remove"  # noticed at the next look
+        httpx.post(f"{server.url}/api/unload", json={"model": "stories"})
+        later = events(server.url)
+        assert [(e["kind"], e["model"]) for e in later[1:]] == [("pull", "fresh:latest"), ("remove", "fresh:latest"),
+                                                                 ("unload", "stories")]
+        assert later[-1]["message"] == "unloaded (requested)"
+        assert [e["seq"] for e in later] == [1, 2, 3, 4]
+
+
+def test_a_failed_load_and_a_500_are_events(tmp_path: Path) -> None:
+    def broken(name: str, path: Path):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the device caught fire")
+
+    config = ServerConfig(models={"stories": STORIES_HF}, engine=small_engine_config(), device="cpu")
+    with running_server(config, load=broken) as server:
+        answer = httpx.post(f"{server.url}/v1/completions", json={"model": "stories", "prompt": "hi"})
+        assert answer.status_code == 500
+        assert [(e["kind"], e["model"], e["message"]) for e in events(server.url)] == [
+            ("load_failed", "stories", "the device caught fire"),
+            ("error", None, "RuntimeError serving POST /v1/completions")]
+
+
+def test_the_event_log_is_bounded_and_numbered() -> None:
+    log = EventLog()
+    log.note_registry(["a"])  # the first look only remembers
+    for i in range(150):
+        log.add("load", f"m{i}", "loaded")
+    recent = log.recent()
+    assert len(recent) == 100 and [e["seq"] for e in recent] == list(range(51, 151))
+    log.note_registry(["b"])
+    assert [(e["kind"], e["model"]) for e in log.recent()[-2:]] == [("pull", "b"), ("remove", "a")]
+
+
+def test_latency_percentiles() -> None:
+    values = [i / 1000 for i in range(1, 201)]  # 1..200 ms
+    summary = _percentiles("ttft_ms", values)
+    assert summary["ttft_ms_p50"] == round(statistics.median(values) * 1000, 2) == 100.5
+    assert 198 <= summary["ttft_ms_p99"] <= 200
+    assert _percentiles("tpot_ms", []) == {"tpot_ms_p50": None, "tpot_ms_p99": None}
+    assert _percentiles("tpot_ms", [0.004]) == {"tpot_ms_p50": 4.0, "tpot_ms_p99": 4.0}
