@@ -378,6 +378,21 @@ def stop(model: str) -> None:
     click.echo(f"stopped {answer['model']}" if answer["unloaded"] else f"{answer['model']} was not loaded")
 
 
+@main.command()
+@click.option("--url", default=None, help="The daemon's URL (default: LOCALSERVE_URL, else LOCALSERVE_HOST/PORT).")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=0.5, show_default=True,
+              help="Seconds between refreshes.")
+def top(url: str | None, interval: float) -> None:
+    """A live dashboard of the daemon: models, KV cache, scheduler, throughput, requests, events."""
+    from .client import DaemonClient, daemon_url
+    from .tui.app import Dashboard
+    from .tui.source import HttpStatsSource
+
+    url = (url or daemon_url()).rstrip("/")
+    # A short timeout: a hung daemon should read as "disconnected", not freeze the numbers.
+    Dashboard(HttpStatsSource(DaemonClient(url, timeout=5.0)), interval=interval, url=url).run()
+
+
 @main.command(name="list")
 @click.option("--json", "as_json", is_flag=True, help="Print the models as JSON.")
 def list_models(as_json: bool) -> None:
