@@ -351,8 +351,10 @@ class _Handler(BaseHTTPRequestHandler):
         body = response.body if limit is None else response.body[:limit]
         try:
             for start in range(0, len(body), CHUNK):
-                self.wfile.write(body[start : start + CHUNK])
-                self.hub._count_sent(path, len(body[start : start + CHUNK]))
+                chunk = body[start : start + CHUNK]
+                # Counted before the write: once the client has the bytes, a test may read the count.
+                self.hub._count_sent(path, len(chunk))
+                self.wfile.write(chunk)
             self.wfile.flush()
         except OSError:  # the client went away mid-body
             self.close_connection = True
