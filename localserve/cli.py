@@ -151,7 +151,7 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
 
     settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             system=system)
-    backend = _run_backend(model, lambda path: _local_engine(path, device, dtype, options))
+    backend = _run_backend(model, device, dtype, options)
     if prompt is not None:
         if backend.has_template and not raw:
             pieces = backend.chat(messages_for([{"role": "user", "content": prompt}], settings), settings)
@@ -164,15 +164,16 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
     if not backend.has_template:
         click.echo(f"{model} has no chat template: each message is completed as plain text, without history.",
                    err=True)
-    generate = (lambda messages, s: backend.chat(messages, s)) if backend.has_template else (
+    generate = backend.chat if backend.has_template else (
         lambda messages, s: backend.complete(messages[-1]["content"], s))
     chat_loop(generate, settings, stdin_reader(), write_stdout)
 
 
-def _run_backend(model: str, open_engine: Callable[[Path], object]) -> Backend:
+def _run_backend(model: str, device: str | None, dtype: str | None, options: dict[str, object]) -> Backend:
     """The daemon when one is reachable and serves ``model`` (a registry name), else an
     engine in this process."""
     from .client import DaemonClient
+    from .engine.engine import Engine
     from .registry import open_registry
     from .run_backends import LocalBackend, daemon_backend
 
@@ -184,13 +185,7 @@ def _run_backend(model: str, open_engine: Callable[[Path], object]) -> Backend:
         client = DaemonClient()
         if client.reachable() and (backend := daemon_backend(client, str(record.name), path)) is not None:
             return backend
-    return LocalBackend(open_engine(path))  # type: ignore[arg-type]
-
-
-def _local_engine(path: Path, device: str | None, dtype: str | None, options: dict[str, object]) -> object:
-    from .engine.engine import Engine
-
-    return Engine(path, engine_config(dict(options)), device=device, dtype=dtype)
+    return LocalBackend(Engine(path, engine_config(options), device=device, dtype=dtype))
 
 
 def model_source(value: str) -> tuple[str, Path]:

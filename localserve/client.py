@@ -51,10 +51,10 @@ class DaemonClient:
             return False
 
     def get(self, path: str) -> Any:
-        return self._json(self._send("GET", path))
+        return self._send("GET", path).json()
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._json(self._send("POST", path, json=body))
+        return self._send("POST", path, json=body).json()
 
     def stream_text(self, path: str, body: dict[str, Any]) -> Iterator[str]:
         """POST a streaming completion and yield each chunk's new text; closing the
@@ -86,10 +86,6 @@ class DaemonClient:
         if response.status_code >= 400:
             raise _error(response)
         return response
-
-    @staticmethod
-    def _json(response: httpx.Response) -> Any:
-        return response.json()
 
 
 def _error(response: httpx.Response) -> DaemonError:

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import LocalserveError
-from .formats import open_checkpoint
+from .formats import Checkpoint, open_checkpoint
 from .model_info import model_info
 from .registry import ModelRecord, open_registry
 from .registry.local import role_of
@@ -23,11 +22,13 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         registry = open_registry()
         record = registry.get(model)
         path = registry.path(record.name)
-    info, lines = model_info(path)
-    files = _files(path, record)
-    template = _template(path)
+    checkpoint = open_checkpoint(path)
+    info, lines = model_info(checkpoint)
+    files = _files(checkpoint, record)
+    chat_template = checkpoint.chat_template_or_none()
+    template = chat_template.source if chat_template is not None else None
     license_text = _license_text(path, files)
-    license = (record.license if record else None) or _gguf_license(path)
+    license = (record.license if record else None) or info["license"]
     facts: dict[str, Any] = {
         **info, "name": str(record.name) if record else None, "source": record.source if record else None,
         "created": record.created if record else None, "last_used": record.last_used if record else None,
@@ -43,27 +44,14 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     return facts, lines
 
 
-def _files(path: Path, record: ModelRecord | None) -> list[dict[str, Any]]:
+def _files(checkpoint: Checkpoint, record: ModelRecord | None) -> list[dict[str, Any]]:
     if record is not None:
         return [{"name": f.name, "role": f.role, "size": f.size, "digest": f.digest} for f in record.files]
-    if path.is_file():
-        return [{"name": path.name, "role": "weights", "size": path.stat().st_size, "digest": None}]
+    if checkpoint.gguf is not None:
+        return [{"name": p.name, "role": "weights", "size": p.stat().st_size, "digest": None}
+                for p in checkpoint.gguf.paths]  # every part of a split GGUF
     return [{"name": p.name, "role": role_of(p.name), "size": p.stat().st_size, "digest": None}
-            for p in sorted(path.iterdir()) if p.is_file() and role_of(p.name)]
-
-
-def _template(path: Path) -> str | None:
-    try:
-        return open_checkpoint(path).chat_template().source
-    except LocalserveError:
-        return None
-
-
-def _gguf_license(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    found = open_checkpoint(path).gguf.metadata.get("general.license")  # type: ignore[union-attr]
-    return found if isinstance(found, str) else None
+            for p in sorted(checkpoint.path.iterdir()) if p.is_file() and role_of(p.name)]
 
 
 def _license_text(path: Path, files: list[dict[str, Any]]) -> str | None:

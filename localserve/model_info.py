@@ -36,10 +36,17 @@ def checkpoint_format(checkpoint: Checkpoint) -> str:
     return checkpoint.quant.method if checkpoint.quant else "safetensors"
 
 
-def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str]]]:
+def gguf_license(checkpoint: Checkpoint) -> str | None:
+    """A GGUF's ``general.license`` (HF checkpoints declare theirs in the Hub's card)."""
+    found = checkpoint.gguf.metadata.get("general.license") if checkpoint.gguf is not None else None
+    return found if isinstance(found, str) else None
+
+
+def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[tuple[str, str]]]:
     """The facts as a dict (``--json``) and as (label, text) lines for people; the size
-    is the weight files' on disk (every shard of a split GGUF)."""
-    checkpoint = open_checkpoint(path)
+    is the weight files' on disk (every shard of a split GGUF). ``path`` may be a
+    checkpoint already opened, so callers that need more of it read it once."""
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     spec = checkpoint.spec
     counts = spec.parameter_counts()
     files = checkpoint.gguf.paths if checkpoint.gguf is not None else checkpoint.files or [checkpoint.path]
@@ -61,6 +68,7 @@ def model_info(path: str | Path) -> tuple[dict[str, object], list[tuple[str, str
         "context_length": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size,
         "file_bytes": file_bytes,
+        "license": gguf_license(checkpoint),
     }
     lines = [
         ("model", str(checkpoint.path)),

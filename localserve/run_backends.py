@@ -56,29 +56,31 @@ class LocalBackend:
     where = "in-process"
 
     def __init__(self, engine: Engine) -> None:
-        from .errors import LocalserveError
-
         self.engine = engine
-        try:
-            self.template = engine.checkpoint.chat_template()
-        except LocalserveError:
-            self.template = None
+        self.template = engine.checkpoint.chat_template_or_none()
         self.has_template = self.template is not None
 
     def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
         assert self.template is not None
         text = self.template.render(messages, add_generation_prompt=True)
         # The template writes BOS itself where the model wants it.
-        return self._stream(self.engine.tokenizer.encode(text, add_special_tokens=False), settings)
+        return self._stream(self._encode(text, add_special_tokens=False), settings)
 
     def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]:
-        return self._stream(prompt, settings)
+        return self._stream(self._encode(prompt), settings)
 
-    def _stream(self, prompt: str | list[int], settings: ChatSettings) -> Iterator[str]:
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # Once, here: the prompt's length decides max_tokens, and the ids go to the engine.
+        if self.engine.tokenizer is None:
+            from .errors import LocalserveError
+
+            raise LocalserveError("this model has no tokenizer, so it cannot take text")
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _stream(self, prompt: list[int], settings: ChatSettings) -> Iterator[str]:
         from .engine.sampling_params import SamplingParams
 
-        prompt_length = len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer.encode(prompt))
-        room = max(self.engine.max_model_len - prompt_length, 1)  # the engine refuses a prompt with no room
+        room = max(self.engine.max_model_len - len(prompt), 1)  # the engine refuses a prompt with no room
         fields = _sampling_fields(settings)
         fields["max_tokens"] = min(fields.get("max_tokens", room), room)
         request_id = self.engine.add_request(prompt, SamplingParams(**fields))
@@ -106,11 +108,6 @@ def daemon_backend(client: DaemonClient, model: str, path: Path) -> DaemonBacken
 
 
 def has_chat_template(path: Path) -> bool:
-    from .errors import LocalserveError
     from .formats import open_checkpoint
 
-    try:
-        open_checkpoint(path).chat_template()
-    except LocalserveError:
-        return False
-    return True
+    return open_checkpoint(path).chat_template_or_none() is not None

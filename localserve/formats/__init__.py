@@ -93,6 +93,14 @@ class Checkpoint:
             return chat_template_from_gguf(self.gguf)
         return ChatTemplate.from_dir(self.path)
 
+    def chat_template_or_none(self) -> ChatTemplate | None:
+        """The chat template, or None when there is none (or it cannot be used): then
+        prompts are completed as plain text."""
+        try:
+            return self.chat_template()
+        except LocalserveError:
+            return None
+
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint's description (not its weights yet): an HF folder or a .gguf file."""

@@ -51,6 +51,11 @@ class RepoFile:
     def name(self) -> str:
         return PurePosixPath(self.path).name
 
+    @property
+    def digest(self) -> str | None:
+        """The blob store's name for it, when the Hub published its sha256."""
+        return f"sha256-{self.sha256}" if self.sha256 else None
+
 
 @dataclass(slots=True)
 class HubPlan:
@@ -165,8 +170,6 @@ def plan_pull(source: HubSource, revision: str, files: list[RepoFile], license: 
               name: str | None) -> HubPlan:
     """Which files to fetch and the name: for GGUF ``<repo without -GGUF>:<quant>``,
     else ``<repo>:latest`` (or ``:<revision>``)."""
-    for file in files:
-        check_repo_path(file.path)
     repo_name = re.sub(r"[-_.]gguf$", "", source.repo.split("/")[1], flags=re.IGNORECASE)
     if is_gguf_repo(files):
         chosen, tag = choose_gguf(files, source.tag)
@@ -250,8 +253,7 @@ def remote_files(source: HubSource, plan: HubPlan) -> list[RemoteFile]:
     from huggingface_hub import hf_hub_url
 
     return [RemoteFile(url=hf_hub_url(source.repo, f.path, revision=plan.revision, endpoint=hub_endpoint()),
-                       name=f.path, size=f.size, digest=f"sha256-{f.sha256}" if f.sha256 else None,
-                       git_sha1=f.git_sha1) for f in plan.files]
+                       name=f.path, size=f.size, digest=f.digest, git_sha1=f.git_sha1) for f in plan.files]
 
 
 def auth_headers() -> dict[str, str]:

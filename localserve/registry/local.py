@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LocalserveError
-from ..formats.gguf_file import read_gguf, split_paths
+from ..formats import Checkpoint, open_checkpoint
 from ..model_info import model_info
 from .names import ModelName, parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
@@ -39,56 +39,62 @@ def default_name(path: Path) -> ModelName:
     return parse_name(cleaned[:128])
 
 
-def record_for(path: Path, name: ModelName, source: str, license: str | None = None) -> ModelRecord:
-    """The catalogue row for the checkpoint at ``path`` (its metadata read and checked),
-    its files still to be added. The license, unless given, is a GGUF's ``general.license``."""
-    info, _ = model_info(path)
-    if license is None and path.is_file():
-        with read_gguf(path) as gguf:
-            found = gguf.metadata.get("general.license")
-            license = found if isinstance(found, str) else None
+def record_for(checkpoint: Checkpoint, name: ModelName, source: str, license: str | None = None) -> ModelRecord:
+    """The catalogue row for ``checkpoint`` (its metadata read and checked), its files
+    still to be added. The license, unless given, is a GGUF's ``general.license``."""
+    info, _ = model_info(checkpoint)
     return ModelRecord(
         name=name, format=str(info["format"]),
         architecture=str(info["architecture"]), quantization=str(info["quantization"]),
         parameters=int(info["parameters"]), active_parameters=int(info["active_parameters"]),  # type: ignore[call-overload]
-        context_length=int(info["context_length"]), size=0, source=source, license=license,  # type: ignore[call-overload]
+        context_length=int(info["context_length"]), size=0, source=source,  # type: ignore[call-overload]
+        license=license or info["license"],  # type: ignore[arg-type]
     )
 
 
-def register(registry: Registry, name: ModelName, files: list[ModelFile], source: str,
-             license: str | None = None) -> ModelRecord:
-    """Register a model whose blobs are all in the store. Its metadata is read first,
-    through a staging folder of links, so a model the engine could not open is not
-    listed; the blobs no model uses are then deleted again."""
-    for file in files:
-        check_file_name(file.name)
-    ggufs = sorted(f.name for f in files if f.name.lower().endswith(".gguf") and f.role == "weights")
+def register(registry: Registry, record: ModelRecord, files: list[ModelFile]) -> ModelRecord:
+    """Register ``record`` with its ``files``, whose blobs are all in the store; if that
+    fails, the blobs no model uses are deleted again."""
+    record.files = list(files)
+    record.size = sum(f.size for f in files)
     try:
-        with tempfile.TemporaryDirectory(dir=registry.home, prefix="staging-") as staging:
-            for file in files:
-                os.symlink(registry.blobs.path(file.digest), Path(staging, file.name))
-            entry = Path(staging, ggufs[0]) if ggufs else Path(staging)
-            record = record_for(entry, name, source, license)
-        record.files = list(files)
-        record.size = sum(f.size for f in files)
         return registry.add(record)
     except BaseException:
         registry.forget_unused(f.digest for f in files)
         raise
 
 
+def register_fetched(registry: Registry, name: ModelName, files: list[ModelFile], source: str,
+                     license: str | None = None) -> ModelRecord:
+    """Register downloaded blobs. Their metadata is read first, through a staging folder
+    of links, so a model the engine could not open is never listed."""
+    ggufs = sorted(f.name for f in files if f.name.lower().endswith(".gguf") and f.role == "weights")
+    try:
+        with tempfile.TemporaryDirectory(dir=registry.home, prefix="staging-") as staging:
+            for file in files:
+                os.symlink(registry.blobs.path(file.digest), Path(staging, check_file_name(file.name)))
+            entry = Path(staging, ggufs[0]) if ggufs else Path(staging)
+            record = record_for(open_checkpoint(entry), name, source, license)
+    except BaseException:
+        registry.forget_unused(f.digest for f in files)
+        raise
+    return register(registry, record, files)
+
+
 def import_local(registry: Registry, path: Path, name: str | None = None) -> ModelRecord:
     """Copy the checkpoint at ``path`` into the store and register it (default name: the
-    file or folder name)."""
+    file or folder name). Its metadata is read before anything is copied, so a broken or
+    unsupported checkpoint registers nothing."""
     path = path.expanduser()
     if not path.exists():
         raise LocalserveError(f"{path}: no such file or folder")
     model_name = parse_name(name) if name else default_name(path)
-    model_info(path)  # a broken or unsupported checkpoint fails here, before anything is copied
-    if path.is_file():
-        sources = split_paths(path)  # a split GGUF's other parts come along
+    checkpoint = open_checkpoint(path)
+    record = record_for(checkpoint, model_name, f"file:{path.resolve()}")
+    if checkpoint.gguf is not None:
+        sources = checkpoint.gguf.paths  # with a split GGUF's other parts
     else:
         sources = sorted(p for p in path.iterdir() if p.is_file() and role_of(p.name))
     files = [ModelFile(source.name, registry.blobs.add_file(source), source.stat().st_size,
                        "weights" if path.is_file() else role_of(source.name) or "other") for source in sources]
-    return register(registry, model_name, files, f"file:{path.resolve()}")
+    return register(registry, record, files)

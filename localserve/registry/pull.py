@@ -17,7 +17,7 @@ from ..errors import LocalserveError
 from . import hub
 from .blobs import check_digest
 from .download import RemoteFile, download
-from .local import default_name, import_local, register, role_of
+from .local import default_name, import_local, register_fetched, role_of
 from .names import parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
 
@@ -47,8 +47,8 @@ def pull_hub(registry: Registry, source: hub.HubSource, name: str | None = None,
     plan = hub.plan_pull(source, revision, files, license, name)
     headers = hub.auth_headers()
     digests = [download(registry.blobs, remote, headers, progress) for remote in hub.remote_files(source, plan)]
-    return register(registry, plan.name, _model_files(registry, plan, digests), f"hf.co/{source.repo}@{revision}",
-                    license)
+    return register_fetched(registry, plan.name, _model_files(registry, plan, digests),
+                            f"hf.co/{source.repo}@{revision}", license)
 
 
 def _import_cached(registry: Registry, source: hub.HubSource, name: str | None) -> ModelRecord:
@@ -57,12 +57,9 @@ def _import_cached(registry: Registry, source: hub.HubSource, name: str | None) 
     if source.tag and not hub.is_gguf_repo(files):
         folder, files = hub.cached_snapshot(source, source.tag)
     plan = hub.plan_pull(source, folder.name, files, None, name)
-    digests = [registry.blobs.add_file(folder / file.path, _expected(file.sha256)) for file in plan.files]
-    return register(registry, plan.name, _model_files(registry, plan, digests), f"hf.co/{source.repo}@{folder.name}")
-
-
-def _expected(sha256: str | None) -> str | None:
-    return f"sha256-{sha256}" if sha256 else None
+    digests = [registry.blobs.add_file(folder / file.path, file.digest) for file in plan.files]
+    return register_fetched(registry, plan.name, _model_files(registry, plan, digests),
+                            f"hf.co/{source.repo}@{folder.name}")
 
 
 def _model_files(registry: Registry, plan: hub.HubPlan, digests: list[str]) -> list[ModelFile]:
@@ -97,4 +94,4 @@ def pull_url(registry: Registry, url: str, name: str | None = None, sha256: str 
     digest = download(registry.blobs, RemoteFile(url, file_name, digest=expected), progress=progress)
     model_name = parse_name(name) if name else default_name(Path(file_name))
     size = registry.blobs.path(digest).stat().st_size
-    return register(registry, model_name, [ModelFile(file_name, digest, size, "weights")], url)
+    return register_fetched(registry, model_name, [ModelFile(file_name, digest, size, "weights")], url)

@@ -6,6 +6,7 @@ removed by the CLI is served, or refused, from the next request on, with no rest
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +85,6 @@ class ModelCatalog:
 
 
 def _epoch(iso: str) -> float:
-    import datetime as dt
-
     try:
         return dt.datetime.fromisoformat(iso).timestamp()
     except ValueError:
