@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 import click
 
 from . import __version__
+from click.core import ParameterSource
+
+from .config import config_file_option, default_config_path, env_for_every_option, reread
 from .engine.config import KV_CACHE_DTYPES, EngineConfig
 from .errors import LocalserveError
 
@@ -201,18 +204,19 @@ def model_source(value: str) -> tuple[str, Path]:
 
 @main.command()
 @click.option("--model", "models", multiple=True, metavar="[NAME=]PATH",
-              help="A model to serve as NAME (default: the file or folder name), loaded at start-up. Repeatable.")
-@click.option("--host", default="127.0.0.1", show_default=True, envvar="LOCALSERVE_HOST",
+              help="A model to serve as NAME (default: the file or folder name), loaded at start-up. Repeatable "
+                   "(in LOCALSERVE_MODEL: separated by spaces). SIGHUP re-reads the config file's list.")
+@click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key.")
-@click.option("--port", default=8000, show_default=True, envvar="LOCALSERVE_PORT")
-@click.option("--api-key", envvar="LOCALSERVE_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on every endpoint but /health. [env: LOCALSERVE_API_KEY]")
+@click.option("--port", default=8000, show_default=True)
+@click.option("--api-key", default=None,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
 @click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without an API key.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow browser requests from ORIGIN (e.g. http://localhost:3000). Repeatable; default none.")
-@click.option("--keep-alive", default="5m", show_default=True, envvar="LOCALSERVE_KEEP_ALIVE",
+@click.option("--keep-alive", default="5m", show_default=True,
               help="How long an idle model stays loaded (300, 5m, 1h; 0 unloads at once; -1 forever).")
-@click.option("--max-loaded-models", default=3, show_default=True, envvar="LOCALSERVE_MAX_LOADED_MODELS",
+@click.option("--max-loaded-models", default=3, show_default=True,
               type=click.IntRange(min=1), help="Models loaded at once; the least recently used idle one makes room.")
 @click.option("--max-queued-requests", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests a model queues beyond its running batch; more get 429.")
@@ -224,19 +228,21 @@ def model_source(value: str) -> tuple[str, Path]:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @engine_options
-def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, insecure_no_auth: bool,
-          cors_origins: tuple[str, ...], keep_alive: str, max_loaded_models: int, max_queued_requests: int,
-          max_body_size: int, drain_timeout: float, device: str | None, dtype: str | None, log_level: str,
-          **options: object) -> None:
+@config_file_option
+def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, api_key: str | None,
+          insecure_no_auth: bool, cors_origins: tuple[str, ...], keep_alive: str, max_loaded_models: int,
+          max_queued_requests: int, max_body_size: int, drain_timeout: float, device: str | None, dtype: str | None,
+          log_level: str, **options: object) -> None:
     """Run the daemon: an OpenAI-compatible HTTP API (/v1), the admin API (/api),
-    /health and /metrics, on one port."""
-    import logging
-
+    /health and /metrics, on one port. Every option can also come from the
+    environment (LOCALSERVE_<OPTION>) or a config file; SIGTERM drains and exits,
+    SIGHUP reloads the model list."""
+    from .logs import configure_logging
     from .server.app import ServerConfig
     from .server.model_manager import parse_keep_alive
     from .server.serve import serve as run_server
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)
     sources = dict(model_source(value) for value in models)
     try:
         keep_alive_s = parse_keep_alive(keep_alive)
@@ -244,12 +250,25 @@ def serve(models: tuple[str, ...], host: str, port: int, api_key: str | None, in
         raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
     from .registry import default_home
 
-    config = ServerConfig(
+    server_config = ServerConfig(
         models=sources, registry_home=default_home(), preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
         host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)
-    sys.exit(run_server(config, insecure_no_auth, log_level))
+    sys.exit(run_server(server_config, insecure_no_auth, log_level, _model_list_on_reload(config)))
+
+
+env_for_every_option(serve)
+
+
+def _model_list_on_reload(config_file: Path | None) -> Callable[[], dict[str, Path]] | None:
+    """What SIGHUP serves: the config file's ``model`` list read anew, unless the
+    command line or environment gave the models (those cannot change)."""
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("models") in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+        return None
+    read_models = reread(config_file or default_config_path(), ctx.command, "models", [])
+    return lambda: dict(model_source(value) for value in read_models())
 
 
 @main.command()

@@ -4,16 +4,29 @@ sources models are pulled from."""
 from __future__ import annotations
 
 import os
+import pwd
 from pathlib import Path
 
 from .names import DEFAULT_TAG, ModelName, parse_name
 from .registry import ModelFile, ModelRecord, Registry, UnknownModelError
 
 
+# The system service's user (systemd/localserve.sysusers), whose home is the service's registry.
+SERVICE_USER = "localserve"
+
+
 def default_home() -> Path:
-    """``LOCALSERVE_HOME``, else the user's XDG data folder (``~/.local/share/localserve``)."""
+    """``LOCALSERVE_HOME``; else, for the service's user, its home (/var/lib/localserve, so
+    ``sudo -u localserve localserve pull`` fills the service's registry); else the user's
+    XDG data folder (``~/.local/share/localserve``)."""
     if home := os.environ.get("LOCALSERVE_HOME"):
         return Path(home).expanduser()
+    try:
+        user = pwd.getpwuid(os.geteuid())
+    except KeyError:  # a uid without a passwd entry (containers)
+        user = None
+    if user is not None and user.pw_name == SERVICE_USER:
+        return Path(user.pw_dir)
     from platformdirs import user_data_dir
 
     return Path(user_data_dir("localserve", appauthor=False))

@@ -38,6 +38,13 @@ class ModelCatalog:
             self._registry = Registry(self._registry_home)
         return self._registry
 
+    def replace_sources(self, sources: dict[str, Path]) -> dict[str, Path]:
+        """Serve ``sources`` from now on and reopen the registry at the next lookup (its
+        file may have been replaced); returns the sources before."""
+        old, self.sources = self.sources, dict(sources)
+        self._registry = None  # a worker thread may still hold the old one: let it close when dropped
+        return old
+
     def find(self, name: str) -> CatalogEntry:
         if name in self.sources:
             path = self.sources[name]

@@ -295,6 +295,25 @@ class ModelManager:
         self.events.add("unload", name, f"unloaded ({reason})")
         return True
 
+    async def replace_sources(self, sources: dict[str, Path]) -> list[str]:
+        """Serve ``sources`` as the named models from now on (the model list reloaded
+        on SIGHUP). A loaded model whose name is gone unloads now if idle, else after
+        its last request; one whose path changed is reloaded at its next load, like a
+        name pulled anew. Returns the names that are new or point elsewhere."""
+        old = self.catalog.replace_sources(sources)
+        changed = [name for name, path in sources.items() if old.get(name) != path]
+        removed = [name for name in old if name not in sources]
+        for name in removed:
+            model = self.loaded.get(name)
+            if model is not None and model.idle:
+                await self.unload(name, "no longer in the model list")
+            elif model is not None:
+                model.keep_alive = 0  # release() unloads it once idle
+        self.events.add("reload", None, f"model list reloaded: {len(sources)} named models"
+                        f"{'; new or changed: ' + ', '.join(changed) if changed else ''}"
+                        f"{'; removed: ' + ', '.join(removed) if removed else ''}")
+        return changed
+
     async def unload_all(self) -> None:
         for name in list(self.loaded):
             await self.unload(name, "shutting down")

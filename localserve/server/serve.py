@@ -1,31 +1,68 @@
-"""Runs the app under uvicorn: one listener, SIGTERM drains before exiting 0."""
+"""Runs the app under uvicorn: one listener; SIGTERM drains before exiting 0, SIGHUP
+reloads the model list, and systemd hears of each (sd_notify)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
 from ..errors import LocalserveError
 from .app import ServerConfig, create_app
-from .guard import GuardState, is_loopback
+from .guard import is_loopback
+from .state import ServerState
+from .systemd import SystemdNotifier
 
 log = logging.getLogger(__name__)
 
 # After the drain, how long uvicorn waits for connections that are still open.
 _CLOSE_GRACE_S = 5
+# Beyond the drain and the grace: unloading models and exiting.
+_EXIT_S = 10
+# uvicorn calls on_tick every 0.1 s; the STATUS line shown by `systemctl status` is
+# refreshed every this many ticks.
+_STATUS_EVERY_TICKS = 20
+
+ModelList = Callable[[], dict[str, Path]]
 
 
 class DrainingServer(uvicorn.Server):
     """The first SIGTERM/SIGINT stops taking requests (503) and lets those running
-    finish, up to the drain timeout; a second one exits at once."""
+    finish, up to the drain timeout; a second one exits at once. SIGHUP calls
+    ``model_list`` and serves what it returns."""
 
-    def __init__(self, config: uvicorn.Config, guard: GuardState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, notifier: SystemdNotifier,
+                 model_list: ModelList | None = None) -> None:
         super().__init__(config)
-        self.guard = guard
-        self.drain_timeout = drain_timeout
+        self.state = state
+        self.guard = state.guard
+        self.notifier = notifier
+        self.model_list = model_list
+        self.drain_timeout = state.config.drain_timeout
         self.drain_deadline: float | None = None
+        self.reload_requested = False
+        self._reload: asyncio.Task[None] | None = None
+        self._announced = False
+        self._status = ""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # SIGHUP would otherwise end the process (its default action).
+        previous = signal.signal(signal.SIGHUP, self._request_reload)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
+    def _request_reload(self, sig: int, frame: object) -> None:
+        self.reload_requested = True  # acted on in the event loop, at the next tick
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.guard.draining:
@@ -35,14 +72,58 @@ class DrainingServer(uvicorn.Server):
                  self.drain_timeout)
         self.guard.draining = True
         self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.notifier.stopping(f"draining {self.guard.in_flight} requests",
+                               self.drain_timeout + _CLOSE_GRACE_S + _EXIT_S)
         # Not uvicorn's handler: it would re-raise the signal after shutting down, and
         # the process would end by the signal instead of exiting 0.
 
     async def on_tick(self, counter: int) -> bool:
+        if not self._announced:  # the first tick comes once the listener is up
+            self._announced = True
+            self.notifier.ready(f"listening on {self.config.host}:{self.config.port}")
+        self.notifier.watchdog_tick()
+        if self.reload_requested and not self.guard.draining and self._reload is None:
+            self.reload_requested = False
+            self._reload = asyncio.get_running_loop().create_task(self._reload_models())
+        if counter % _STATUS_EVERY_TICKS == 0 and not self.guard.draining:
+            self._update_status()
         if self.drain_deadline is not None and not self.should_exit:
             if self.guard.in_flight == 0 or time.monotonic() >= self.drain_deadline:
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    async def _reload_models(self) -> None:
+        self.notifier.reloading()
+        try:
+            if self.model_list is None:
+                log.info("SIGHUP: the model list comes from the command line or environment; nothing to reload")
+            else:
+                sources = await asyncio.to_thread(self.model_list)
+                changed = await self.state.manager.replace_sources(sources)
+                for name in changed:
+                    asyncio.get_running_loop().create_task(_load_quietly(self.state, name))
+        except Exception as exc:  # a broken config file must not take the daemon down
+            log.error("SIGHUP: could not reload the model list, keeping the current one: %s", exc)
+        finally:
+            self._reload = None
+            self.notifier.ready(self._status_line())
+
+    def _update_status(self) -> None:
+        status = self._status_line()
+        if status != self._status:
+            self._status = status
+            self.notifier.status(status)
+
+    def _status_line(self) -> str:
+        return (f"{'ready' if self.state.ready else 'preloading'}: models loaded {len(self.state.manager.loaded)}, "
+                f"requests in flight {self.guard.in_flight}")
+
+
+async def _load_quietly(state: ServerState, name: str) -> None:
+    try:
+        await state.manager.load(name)
+    except Exception as exc:
+        log.error("could not load %s after the reload: %s", name, exc)
 
 
 def check_bind(host: str, api_key: str | None, insecure_no_auth: bool) -> None:
@@ -53,13 +134,20 @@ def check_bind(host: str, api_key: str | None, insecure_no_auth: bool) -> None:
             "Set --api-key (or LOCALSERVE_API_KEY), or pass --insecure-no-auth if the network is trusted")
 
 
-def serve(config: ServerConfig, insecure_no_auth: bool = False, log_level: str = "info") -> int:
-    """Serve until SIGTERM; returns the exit status."""
+def serve(config: ServerConfig, insecure_no_auth: bool = False, log_level: str = "info",
+          model_list: ModelList | None = None) -> int:
+    """Serve until SIGTERM; returns the exit status. ``model_list`` gives the named
+    models anew on SIGHUP (None: they came from the command line and stay)."""
     check_bind(config.host, config.api_key, insecure_no_auth)
     app = create_app(config)
-    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+    # log_config=None: uvicorn's loggers go to the handler configure_logging set up.
+    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, log_config=None,
                                     timeout_graceful_shutdown=_CLOSE_GRACE_S, access_log=False,
                                     server_header=False)
-    server = DrainingServer(uvicorn_config, app.state.localserve.guard, config.drain_timeout)
-    server.run()
+    notifier = SystemdNotifier()
+    server = DrainingServer(uvicorn_config, app.state.localserve, notifier, model_list)
+    try:
+        server.run()
+    finally:
+        notifier.close()
     return 0 if server.started else 1
