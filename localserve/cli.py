@@ -407,6 +407,86 @@ def top(url: str | None, interval: float) -> None:
     Dashboard(HttpStatsSource(DaemonClient(url, timeout=5.0)), interval=interval, url=url).run()
 
 
+@main.command()
+@click.option("--url", default=None, help="The server (any OpenAI-compatible one); default: LOCALSERVE_URL, else "
+              "LOCALSERVE_HOST/PORT, else http://127.0.0.1:8000.")
+@click.option("--model", default=None, help="The model name to request, also where the tokenizer comes from; "
+              "default: the server's first model.")
+@click.option("--served-model-name", default=None, help="Request this name instead (then --model only picks the "
+              "tokenizer).")
+@click.option("--tokenizer", default=None, help="A .gguf file, HF checkpoint folder or registry name; default: "
+              "--model as a path or registry name.")
+@click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
+              help="/v1/completions or /v1/chat/completions.")
+@click.option("--api-key", default=None, envvar="LOCALSERVE_API_KEY", help="Sent as Bearer (env LOCALSERVE_API_KEY).")
+@click.option("--dataset-name", type=click.Choice(["random", "sharegpt", "prefix-repetition"]), default="random",
+              show_default=True)
+@click.option("--dataset-path", default=None, help="A ShareGPT JSON file (for --dataset-name sharegpt).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--random-input-len", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--random-output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Lengths uniform in [L*(1-r), L*(1+r)].")
+@click.option("--sharegpt-output-len", type=click.IntRange(min=1), default=None,
+              help="Output tokens per request; default: the recorded answer's length.")
+@click.option("--prefix-repetition-prefix-len", type=click.IntRange(min=0), default=256, show_default=True)
+@click.option("--prefix-repetition-suffix-len", type=click.IntRange(min=0), default=256, show_default=True)
+@click.option("--prefix-repetition-num-prefixes", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--prefix-repetition-output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="Requests per second; inf sends all at once.")
+@click.option("--burstiness", type=float, default=1.0, show_default=True,
+              help="Gamma shape of the gaps between requests: 1 is Poisson, <1 burstier, >1 more even.")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
+@click.option("--num-warmups", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Copies of the first request sent first, not measured.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos/--no-ignore-eos", default=None,
+              help="Generate exactly the output length (ignore_eos, plus logit_bias -100 on EOS); default on for "
+                   "random and prefix-repetition.")
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="Seconds a response may stay silent before the request counts as failed.")
+@click.option("--metric-percentiles", default="99", show_default=True, help="Percentiles to report, e.g. 50,90,99.")
+@click.option("--goodput", multiple=True, metavar="NAME:MS",
+              help="SLOs for goodput, e.g. --goodput ttft:500 --goodput tpot:50 (ttft, tpot, e2el; ms).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result (config and metrics) as JSON, not tables.")
+@click.option("--save-result", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the result with every request's record as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw latency histograms and throughput over time to a PNG (needs localserve[plot]).")
+@click.option("--no-progress", is_flag=True, help="No progress bar on stderr.")
+def bench(url: str | None, goodput: tuple[str, ...], metric_percentiles: str, as_json: bool,
+          save_result: Path | None, plot_path: Path | None, no_progress: bool, **options: object) -> None:
+    """Load-test an OpenAI-compatible server (this one, llama.cpp's, vLLM) and report
+    TTFT, TPOT, ITL, E2EL, throughput and goodput as vLLM's `bench serve` defines them."""
+    import json
+    from contextlib import nullcontext
+
+    from .bench import BenchConfig, parse_goodput, parse_percentiles, run_benchmark
+    from .bench.report import plot, print_tables, progress_bar
+    from .bench.report import save_result as write_result
+
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401  (checked before the run, not after it)
+        except ImportError:
+            raise click.ClickException("--plot needs matplotlib: pip install localserve[plot]") from None
+    config = BenchConfig(url=url, goodput=parse_goodput(goodput), metric_percentiles=parse_percentiles(
+        metric_percentiles), **options)  # type: ignore[arg-type]
+    with nullcontext(None) if no_progress else progress_bar() as hooks:
+        result = run_benchmark(config, hooks)
+    if save_result is not None:
+        write_result(result, save_result)
+    if plot_path is not None and result.metrics.completed:
+        plot(result, plot_path)
+    if result.metrics.completed == 0:
+        raise click.ClickException(f"all {result.metrics.failed} requests failed; the first: {result.first_error}")
+    if as_json:
+        click.echo(json.dumps(result.to_dict(requests=False), indent=2))
+    else:
+        print_tables(result)
+
+
 @main.command(name="list")
 @click.option("--json", "as_json", is_flag=True, help="Print the models as JSON.")
 def list_models(as_json: bool) -> None:
