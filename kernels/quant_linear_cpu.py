@@ -18,8 +18,10 @@ from .quant_linear import QuantWeight
 log = logging.getLogger(__name__)
 
 # Up to this many rows the fused kernel wins: the weight is read once and never
-# materialised. Beyond it, dequantize-then-GEMM amortises the dequantization better.
-MAX_ROWS = 8
+# materialised. Beyond it, dequantize-then-GEMM amortises the dequantization better
+# (measured on a 5632x1024 Q8_0 weight, 2 AVX2 cores: 5.3 ms fused vs 8.1 ms at 32 rows,
+# 11.3 vs 10.4 at 64).
+MAX_ROWS = 32
 
 
 @functools.cache
@@ -30,9 +32,8 @@ def _extension():  # type: ignore[no-untyped-def]
         return load(
             name="localserve_quant_gemv_cpu",
             sources=[str(Path(__file__).parent / "csrc" / "quant_gemv_cpu.cpp")],
-            # No FMA contraction: every weight is dequantized with the reference's own
-            # fp32 operations, so the values are exact; only the sum order differs.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            # -march=native: the AVX2/FMA path where the machine has it.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -59,12 +59,12 @@ def test_builds() -> None:
 def test_fused_equals_reference(bits, group_size, form, scale_dtype, zero_dtype, permuted) -> None:
     weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted)
     bias = torch.randn(weight.out_features)
-    for rows in (1, 3, quant_linear_cpu.MAX_ROWS):
+    for rows in (1, 3, 13, quant_linear_cpu.MAX_ROWS):  # 13: a block of 8, one of 4, one row
         x = torch.randn(rows, weight.in_features)
         assert quant_linear_cpu.supports(x)
         expected = quant_linear_ref(x, weight, bias)
         ours = quant_linear_cpu.quant_linear(x, weight, bias)
-        # Same dequantized values; only the order of the sums differs from the GEMM's.
+        # Same dequantized values; only the order (and fusing) of the sums differs from the GEMM's.
         assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 

@@ -1,16 +1,27 @@
-// Fused dequantize + matmul for QuantWeight on the CPU, for a few rows of x (decode).
+// Fused dequantize + matmul for QuantWeight on the CPU, for the rows of x at decode sizes.
 //
-// Each output row n first widens its per-group scales and offsets (zeros or mins) to fp32,
-// multiplying out two-level scales exactly as the reference does. Then it is dequantized
-// group by group into a small buffer with exactly the fp32 operations of the reference
-// ((q - zero) * scale, or scale * q - min; the build turns FMA contraction off so no
-// product is fused) and dotted with every row of x. The weight is read once per call and
-// never materialised as a whole.
+// The weight is never dequantized into memory: each code is widened and dequantized in
+// registers with exactly the reference's fp32 operations ((q - zero) * scale, or
+// scale * q - min, as separate roundings) and then meets every row of x in a fused
+// multiply-add. The weight is read once per call; results equal the reference (dequantize,
+// then GEMM) up to the order of the sums.
+//
+// With AVX2 and FMA (the build uses -march=native) eight inputs go at a time, and blocks of
+// up to kRowBlock rows of x share each dequantized vector. Packed 4-bit codes hold input 2j
+// in the low nibble and 2j + 1 in the high one, so x is first split per group into its even
+// and odd inputs, which the low and high nibbles of consecutive bytes then meet as
+// contiguous vectors. Without AVX2 a plain loop computes the same sums.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LOCALSERVE_AVX2 1
+#endif
 
 namespace {
 
@@ -62,49 +73,142 @@ struct Weight {
   int64_t groups_per_super;
 };
 
-template <bool kPacked, bool kMins>
-void gemv(const float* x, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
-  const int64_t code_stride = kPacked ? k / 2 : k;
-  const int64_t groups = wt.scales.width, group_size = wt.group_size;
-#pragma omp parallel
-  {
-    std::vector<float> w(group_size), acc(rows), scale(groups), offset(groups), outer(groups);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < n_out; ++n) {
-      const uint8_t* row_codes = wt.codes + n * code_stride;
-      group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
-      group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = scale[g], o = offset[g];
-        const int64_t k0 = g * group_size;
-        if constexpr (kPacked) {
-          // Byte j holds inputs 2j (low nibble) and 2j + 1 (high nibble).
-          const uint8_t* bytes = row_codes + k0 / 2;
-#pragma omp simd
-          for (int64_t j = 0; j < group_size / 2; ++j) {
-            const float lo = static_cast<float>(bytes[j] & 0xF);
-            const float hi = static_cast<float>(bytes[j] >> 4);
-            w[2 * j] = kMins ? s * lo - o : (lo - o) * s;
-            w[2 * j + 1] = kMins ? s * hi - o : (hi - o) * s;
-          }
-        } else {
-          const uint8_t* bytes = row_codes + k0;
-#pragma omp simd
-          for (int64_t j = 0; j < group_size; ++j) {
-            const float q = static_cast<float>(bytes[j]);
-            w[j] = kMins ? s * q - o : (q - o) * s;
-          }
-        }
-        for (int64_t m = 0; m < rows; ++m) {
-          const float* xm = x + m * k + k0;
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < group_size; ++j) sum += xm[j] * w[j];
-          acc[m] += sum;
+// x as the kernel reads it: rows of K floats; for packed codes each group's inputs are
+// reordered to its even inputs, then its odd ones (matching low, then high nibbles).
+std::vector<float> arrange_x(const float* x, int64_t rows, int64_t k, int64_t group_size, bool packed) {
+  std::vector<float> out(x, x + rows * k);
+  if (!packed) return out;
+  const int64_t half = group_size / 2;
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k0 = 0; k0 < k; k0 += group_size) {
+      const float* src = x + m * k + k0;
+      float* dst = out.data() + m * k + k0;
+      for (int64_t j = 0; j < half; ++j) {
+        dst[j] = src[2 * j];
+        dst[half + j] = src[2 * j + 1];
+      }
+    }
+  }
+  return out;
+}
+
+// Rows of x that share each dequantized vector: eight accumulators plus the codes, scale
+// and offset fit AVX2's sixteen registers.
+constexpr int64_t kRowBlock = 8;
+
+#ifdef LOCALSERVE_AVX2
+// Eight codes starting at p widened to fp32: one per byte, or the low/high nibbles of p[0..7].
+inline __m256 widen_bytes(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void widen_nibbles(const uint8_t* p, __m256* lo, __m256* hi) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  *lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+  *hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The reference's dequantization of eight codes: (q - zero) * scale, or scale * q - min.
+template <bool kMins>
+inline __m256 dequantize8(__m256 q, __m256 scale, __m256 offset) {
+  return kMins ? _mm256_sub_ps(_mm256_mul_ps(scale, q), offset) : _mm256_mul_ps(_mm256_sub_ps(q, offset), scale);
+}
+
+// out[r] = sum_k x[r, k] * w[k] for one output row's codes, kRows rows of x at once.
+template <bool kPacked, bool kMins, int kRows>
+void row_dots_avx2(const float* x, int64_t k, const uint8_t* codes, int64_t group_size, const float* scale,
+                   const float* offset, float* out) {
+  __m256 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0, k0 = 0; k0 < k; ++g, k0 += group_size) {
+    const __m256 s = _mm256_set1_ps(scale[g]), o = _mm256_set1_ps(offset[g]);
+    if constexpr (kPacked) {
+      const int64_t half = group_size / 2;
+      for (int64_t j = 0; j < half; j += 8) {
+        __m256 lo, hi;
+        widen_nibbles(codes + k0 / 2 + j, &lo, &hi);
+        lo = dequantize8<kMins>(lo, s, o);
+        hi = dequantize8<kMins>(hi, s, o);
+        for (int r = 0; r < kRows; ++r) {
+          const float* xr = x + r * k + k0;
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j), lo, acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + half + j), hi, acc[r]);
         }
       }
-      for (int64_t m = 0; m < rows; ++m) out[m * n_out + n] = acc[m];
+    } else {
+      for (int64_t j = 0; j < group_size; j += 8) {
+        const __m256 w = dequantize8<kMins>(widen_bytes(codes + k0 + j), s, o);
+        for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k0 + j), w, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+}
+#endif
+
+// The same dot products, one row of x at a time, in plain C++.
+template <bool kPacked, bool kMins>
+void row_dots_plain(const float* x, int64_t rows, int64_t k, const uint8_t* codes, int64_t group_size,
+                    const float* scale, const float* offset, float* out) {
+  const auto dequantize = [](float q, float s, float o) { return kMins ? s * q - o : (q - o) * s; };
+  const int64_t half = group_size / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    float acc = 0.0f;
+    for (int64_t g = 0, k0 = 0; k0 < k; ++g, k0 += group_size) {
+      const float* xr = x + r * k + k0;
+      if constexpr (kPacked) {
+        for (int64_t j = 0; j < half; ++j) {
+          const uint8_t byte = codes[k0 / 2 + j];
+          acc += xr[j] * dequantize(static_cast<float>(byte & 0xF), scale[g], offset[g]);
+          acc += xr[half + j] * dequantize(static_cast<float>(byte >> 4), scale[g], offset[g]);
+        }
+      } else {
+        for (int64_t j = 0; j < group_size; ++j)
+          acc += xr[j] * dequantize(static_cast<float>(codes[k0 + j]), scale[g], offset[g]);
+      }
+    }
+    out[r] = acc;
+  }
+}
+
+template <bool kPacked, bool kMins>
+void row_dots(const float* x, int64_t rows, int64_t k, const uint8_t* codes, int64_t group_size, const float* scale,
+              const float* offset, float* out) {
+#ifdef LOCALSERVE_AVX2
+  if (group_size % (kPacked ? 16 : 8) == 0) {
+    int64_t r = 0;
+    for (; r + kRowBlock <= rows; r += kRowBlock)
+      row_dots_avx2<kPacked, kMins, kRowBlock>(x + r * k, k, codes, group_size, scale, offset, out + r);
+    for (; r + 4 <= rows; r += 4)
+      row_dots_avx2<kPacked, kMins, 4>(x + r * k, k, codes, group_size, scale, offset, out + r);
+    for (; r < rows; ++r) row_dots_avx2<kPacked, kMins, 1>(x + r * k, k, codes, group_size, scale, offset, out + r);
+    return;
+  }
+#endif
+  row_dots_plain<kPacked, kMins>(x, rows, k, codes, group_size, scale, offset, out);
+}
+
+template <bool kPacked, bool kMins>
+void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
+  const int64_t code_stride = kPacked ? k / 2 : k;
+  const int64_t groups = wt.scales.width;
+  const std::vector<float> x = arrange_x(x_in, rows, k, wt.group_size, kPacked);
+#pragma omp parallel
+  {
+    std::vector<float> dots(rows), scale(groups), offset(groups), outer(groups);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+      group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
+      group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
+      row_dots<kPacked, kMins>(x.data(), rows, k, wt.codes + n * code_stride, wt.group_size, scale.data(),
+                               offset.data(), dots.data());
+      for (int64_t m = 0; m < rows; ++m) out[m * n_out + n] = dots[m];
     }
   }
 }
@@ -126,6 +230,7 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "codes: contiguous uint8");
   const int64_t k = x.size(1);
   TORCH_CHECK(group_size > 0 && k % group_size == 0 && scales.size(1) * group_size == k, "groups do not tile K");
+  TORCH_CHECK(!packed || group_size % 2 == 0, "packed codes need an even group size");
   TORCH_CHECK(codes.size(1) == (packed ? k / 2 : k), "codes do not match K");
   TORCH_CHECK(groups_per_super > 0, "groups_per_super must be positive");
   const Weight weight{codes.data_ptr<uint8_t>(), packed, group_size, Factors::of(scales), Factors::of(offsets),
