@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 
 from . import attention_ref
-from .dispatch import use_triton
+from .dispatch import use_cpu_kernels, use_triton
 
 
 @dataclass(slots=True)
@@ -104,4 +104,9 @@ def _kernels(tensor: torch.Tensor) -> ModuleType:
         from . import attention_triton
 
         return attention_triton
+    if use_cpu_kernels(tensor):
+        from . import attention_cpu, cpu_extension
+
+        if cpu_extension.available():
+            return attention_cpu
     return attention_ref

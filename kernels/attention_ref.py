@@ -94,6 +94,18 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
+    decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
+    if decodes:
+        rows = decode_rows(meta, decodes, query.device)
+        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
+    return out
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                      out: torch.Tensor) -> list[int]:
+    """Writes ``out``'s rows of the sequences with more than one new token; returns the
+    indices of the others (one new token each: decodes)."""
     block_size = k_cache.shape[1]
     gqa = query.shape[1] != k_cache.shape[2]
     decodes: list[int] = []
@@ -113,17 +125,26 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[row : row + query_len] = o[0].transpose(0, 1)
         row += query_len
+    return decodes
 
-    if decodes:
-        index = torch.tensor(decodes, device=query.device)
-        rows = meta.query_start_loc[index].long()
-        seq_lens = meta.seq_lens[index]
-        num_blocks = -(-max(meta.seq_lens_host[b] for b in decodes) // block_size)
-        tables = meta.block_tables[index]
-        k = gather_kv(k_cache, k_scale, tables, num_blocks, query.dtype)
-        v = gather_kv(v_cache, v_scale, tables, num_blocks, query.dtype)
-        mask = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None].long()
-        q = query[rows].unsqueeze(2)  # [batch, heads, 1, dim]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=gqa)
-        out[rows] = o.squeeze(2)
-    return out
+
+def decode_rows(meta: AttentionMetadata, decodes: list[int], device: torch.device) -> torch.Tensor:
+    """The query rows of the decode sequences ``decodes``."""
+    return meta.query_start_loc[torch.tensor(decodes, device=device)].long()
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     decodes: list[int], scale: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence (``query [len(decodes), heads, dim]``):
+    every sequence's blocks gathered up to the longest, padding masked."""
+    index = torch.tensor(decodes, device=query.device)
+    seq_lens = meta.seq_lens[index]
+    num_blocks = -(-max(meta.seq_lens_host[b] for b in decodes) // k_cache.shape[1])
+    tables = meta.block_tables[index]
+    k = gather_kv(k_cache, k_scale, tables, num_blocks, query.dtype)
+    v = gather_kv(v_cache, v_scale, tables, num_blocks, query.dtype)
+    mask = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None].long()
+    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=query.shape[1] != k_cache.shape[2])
+    return o.squeeze(2)

@@ -246,5 +246,3 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("quant_gemv", &quant_gemv, "fused dequantize-GEMV"); }
