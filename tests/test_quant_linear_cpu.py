@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from localserve.kernels import quant_linear_cpu
+from localserve.kernels import cpu_extension, quant_linear_cpu
 from localserve.kernels.quant_linear import QuantWeight, pack_codes, quant_linear, quant_linear_ref
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -52,7 +52,7 @@ CASES = [
 
 
 def test_builds() -> None:
-    assert quant_linear_cpu.available(), "the C++ extension did not build; see the warning in the log"
+    assert cpu_extension.available(), "the C++ extension did not build; see the warning in the log"
 
 
 @pytest.mark.parametrize("bits,group_size,form,scale_dtype,zero_dtype,permuted", CASES)
