@@ -78,3 +78,23 @@ def test_dispatch_uses_fused_kernel_only_for_few_rows(monkeypatch) -> None:
     assert len(calls) == 1
     x = torch.randn(2, 5, weight.in_features)  # leading dimensions are kept
     assert quant_linear(x, weight).shape == (2, 5, weight.out_features)
+
+
+def test_build_folder_is_named_by_the_sources_and_clears_stale_locks(tmp_path, monkeypatch) -> None:
+    import os
+    from pathlib import Path
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = cpu_extension._build_directory()
+    csrc = Path(cpu_extension.__file__).parent / "csrc"
+    assert build.parent == tmp_path and sorted(p.name for p in build.iterdir()) == sorted(cpu_extension._SOURCES)
+    assert all((build / name).read_bytes() == (csrc / name).read_bytes() for name in cpu_extension._SOURCES)
+    assert cpu_extension._build_directory() == build  # the same sources, the same folder
+
+    lock = build / "lock"
+    lock.touch()
+    cpu_extension._build_directory()
+    assert lock.exists(), "a build under way keeps its lock"
+    os.utime(lock, (0, 0))  # left by a build killed long ago
+    cpu_extension._build_directory()
+    assert not lock.exists()

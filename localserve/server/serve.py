@@ -48,6 +48,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline: float | None = None
         self.reload_requested = False
         self._reload: asyncio.Task[None] | None = None
+        self._loads: set[asyncio.Task[None]] = set()  # models loading after a reload
         self._announced = False
         self._status = ""
 
@@ -101,7 +102,9 @@ class DrainingServer(uvicorn.Server):
                 sources = await asyncio.to_thread(self.model_list)
                 changed = await self.state.manager.replace_sources(sources)
                 for name in changed:
-                    asyncio.get_running_loop().create_task(_load_quietly(self.state, name))
+                    task = asyncio.get_running_loop().create_task(_load_quietly(self.state, name))
+                    self._loads.add(task)  # the loop keeps only weak references to tasks
+                    task.add_done_callback(self._loads.discard)
         except Exception as exc:  # a broken config file must not take the daemon down
             log.error("SIGHUP: could not reload the model list, keeping the current one: %s", exc)
         finally:
