@@ -34,9 +34,6 @@ import asyncio
 import json
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,13 +43,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # localserve and tests.gguf_writers from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling gguf_decode module
 
 from gguf_decode import build_f32_gguf, quantize
+from servers import free_port, serving
 
 from localserve.bench import (
     BenchConfig,
@@ -71,7 +68,6 @@ LOCALSERVE = "localserve"
 LLAMA_CPP = "llama-cpp-python"
 HF_SEQUENTIAL = "HF one at a time"
 HF_BATCH = "HF static batch"
-READY_TIMEOUT_S = 300.0  # a cold start loads and (for localserve) plans the KV cache
 
 
 @dataclass
@@ -143,12 +139,6 @@ def prompt_ids(tokenizer: Tokenizer, requests: list[SampleRequest]) -> list[list
 
 # -- servers ----------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def localserve_command(path: Path, port: int, args: argparse.Namespace) -> list[str]:
     # --max-num-seqs at least the client count so the whole load is one running batch.
     return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={path}", "--device", "cpu",
@@ -164,49 +154,6 @@ def llama_cpp_command(path: Path, port: int, args: argparse.Namespace) -> list[s
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
             "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
             "--n_ctx", str(max(n_ctx, 512)), "--interrupt_requests", "false", "--verbose", "false"]
-
-
-@contextmanager
-def serving(command: list[str], ready_url: str, threads: int, log: Path) -> Iterator[None]:
-    """Run ``command`` until the block ends; ready once ``ready_url`` answers 200."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   cwd=Path(__file__).resolve().parents[1])
-    try:
-        wait_ready(process, ready_url, log)
-        yield
-    finally:
-        stop(process)
-
-
-def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; last output:\n{tail(log)}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready at {url} after {READY_TIMEOUT_S:.0f}s; last output:\n{tail(log)}")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (localserve drains), then kill if it lingers."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def tail(log: Path, lines: int = 20) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def bench_server(url: str, tokenizer: Tokenizer, requests: list[SampleRequest], args: argparse.Namespace,

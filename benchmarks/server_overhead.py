@@ -16,9 +16,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +24,7 @@ from pathlib import Path
 import httpx
 import torch
 from random_model import save_random_llama
+from servers import free_port, serving
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K-hf"
 
@@ -52,28 +50,9 @@ def offline(path: Path, prompts: list[list[int]], output_len: int) -> float:
     return elapsed
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_server(path: Path, clients: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={path}", "--port", str(port),
-         "--device", "cpu", "--max-num-seqs", str(clients), "--kv-cache-memory", "1GiB", "--log-level", "warning"])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("the server did not start")
+def localserve_command(path: Path, clients: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={path}", "--port", str(port),
+            "--device", "cpu", "--max-num-seqs", str(clients), "--kv-cache-memory", "1GiB", "--log-level", "warning"]
 
 
 async def stream_one(http: httpx.AsyncClient, prompt: list[int], output_len: int) -> tuple[int, int]:
@@ -121,12 +100,11 @@ def main() -> None:
         path = Path(tmp)
         build_checkpoint(path)
         offline_s = offline(path, prompts, args.output_len)
-        process, url = start_server(path, args.clients)
-        try:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with serving(localserve_command(path, args.clients, port), f"{url}/health", torch.get_num_threads(),
+                     path / "server.log"):
             http_s, events = asyncio.run(over_http(url, prompts, args.output_len))
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=60)
 
     print(f"\n{'path':<28}{'seconds':>10}{'output tok/s':>14}")
     print(f"{'offline API (LLM.generate)':<28}{offline_s:>10.2f}{total / offline_s:>14.1f}")

@@ -12,6 +12,7 @@ magnitude. Attention dequantizes to the query dtype before its matmuls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
+
+# (query rows of the decodes, k_cache, v_cache, meta, decode indices, scale, k_scale, v_scale)
+DecodeAttention = Callable[..., torch.Tensor]
 
 
 # The largest code of each 8-bit cache dtype.
@@ -92,12 +96,16 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    decode: DecodeAttention | None = None,
 ) -> torch.Tensor:
+    """Prefill chunks here; the decode tokens through ``decode`` (default
+    ``decode_attention``; the CPU kernels pass their own)."""
     out = torch.empty_like(query)
     decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
     if decodes:
-        rows = decode_rows(meta, decodes, query.device)
-        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
+        rows = meta.query_start_loc[torch.tensor(decodes, device=query.device)].long()
+        out[rows] = (decode or decode_attention)(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale,
+                                                  v_scale)
     return out
 
 
@@ -126,11 +134,6 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             out[row : row + query_len] = o[0].transpose(0, 1)
         row += query_len
     return decodes
-
-
-def decode_rows(meta: AttentionMetadata, decodes: list[int], device: torch.device) -> torch.Tensor:
-    """The query rows of the decode sequences ``decodes``."""
-    return meta.query_start_loc[torch.tensor(decodes, device=device)].long()
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

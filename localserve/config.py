@@ -84,7 +84,7 @@ def config_file_option(command: click.Command) -> click.Command:
         return path
 
     return click.option("--config", type=click.Path(dir_okay=False), envvar=f"{ENV_PREFIX}CONFIG", is_eager=True,
-                        expose_value=True, callback=load, show_envvar=True,
+                        callback=load, show_envvar=True,
                         help="A TOML file of settings (keys: these options' long names). "
                              "[default: ~/.config/localserve/config.toml when it exists]")(command)
 

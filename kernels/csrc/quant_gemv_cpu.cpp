@@ -73,11 +73,10 @@ struct Weight {
   int64_t groups_per_super;
 };
 
-// x as the kernel reads it: rows of K floats; for packed codes each group's inputs are
-// reordered to its even inputs, then its odd ones (matching low, then high nibbles).
-std::vector<float> arrange_x(const float* x, int64_t rows, int64_t k, int64_t group_size, bool packed) {
-  std::vector<float> out(x, x + rows * k);
-  if (!packed) return out;
+// Packed codes: x with each group's inputs reordered to its even inputs, then its odd
+// ones (matching low, then high nibbles). Unpacked codes read x as it is.
+std::vector<float> split_even_odd(const float* x, int64_t rows, int64_t k, int64_t group_size) {
+  std::vector<float> out(rows * k);
   const int64_t half = group_size / 2;
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t k0 = 0; k0 < k; k0 += group_size) {
@@ -198,7 +197,8 @@ template <bool kPacked, bool kMins>
 void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
   const int64_t code_stride = kPacked ? k / 2 : k;
   const int64_t groups = wt.scales.width;
-  const std::vector<float> x = arrange_x(x_in, rows, k, wt.group_size, kPacked);
+  const std::vector<float> split = kPacked ? split_even_odd(x_in, rows, k, wt.group_size) : std::vector<float>();
+  const float* x = kPacked ? split.data() : x_in;
 #pragma omp parallel
   {
     std::vector<float> dots(rows), scale(groups), offset(groups), outer(groups);
@@ -206,7 +206,7 @@ void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* o
     for (int64_t n = 0; n < n_out; ++n) {
       group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
       group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
-      row_dots<kPacked, kMins>(x.data(), rows, k, wt.codes + n * code_stride, wt.group_size, scale.data(),
+      row_dots<kPacked, kMins>(x, rows, k, wt.codes + n * code_stride, wt.group_size, scale.data(),
                                offset.data(), dots.data());
       for (int64_t m = 0; m < rows; ++m) out[m * n_out + n] = dots[m];
     }

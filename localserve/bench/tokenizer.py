@@ -33,34 +33,12 @@ def load_tokenizer(source: str | None) -> Tokenizer:
 
 
 def _tokenizer_at(path: Path) -> Tokenizer | None:
-    from ..formats import open_checkpoint
+    # The engine's own reader (Checkpoint.tokenizer calls it), so prompts are tokenized as a
+    # localserve server tokenizes them; it reads only the tokenizer, so a model another
+    # server runs but localserve cannot still has one.
+    from ..formats import read_tokenizer
 
     try:
-        checkpoint = open_checkpoint(path)
-    except LocalserveError:
-        # A server may serve a model localserve cannot run (another architecture): its
-        # tokenizer is still readable on its own.
-        return _tokenizer_only(path)
-    try:
-        # The engine's own way (Engine.__init__ -> Checkpoint.tokenizer), so the prompts
-        # are tokenized exactly as a localserve server tokenizes them.
-        return checkpoint.tokenizer()
-    finally:
-        if checkpoint.gguf is not None:
-            checkpoint.gguf.close()
-
-
-def _tokenizer_only(path: Path) -> Tokenizer | None:
-    from ..formats.gguf_file import read_gguf
-    from ..gguf_tokenizer import tokenizer_from_gguf_metadata
-    from ..tokenizer import Tokenizer
-
-    try:
-        if path.is_dir():
-            return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-        with read_gguf(path) as gguf:
-            if "tokenizer.ggml.model" not in gguf.metadata:
-                return None
-            return tokenizer_from_gguf_metadata(gguf.metadata)
+        return read_tokenizer(path)
     except LocalserveError as exc:
         raise BenchError(f"{path}: cannot read a tokenizer ({exc}); {_HINT}") from exc

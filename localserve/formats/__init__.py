@@ -80,11 +80,7 @@ class Checkpoint:
 
     def tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer, or None when it ships none."""
-        if self.gguf is not None:
-            if "tokenizer.ggml.model" not in self.gguf.metadata:
-                return None
-            return tokenizer_from_gguf_metadata(self.gguf.metadata)
-        return Tokenizer.from_dir(self.path) if (self.path / "tokenizer.json").is_file() else None
+        return read_tokenizer(self.path, self.gguf)
 
     def chat_template(self) -> ChatTemplate:
         """The checkpoint's chat template (tokenizer_config.json / chat_template.jinja, or
@@ -100,6 +96,20 @@ class Checkpoint:
             return self.chat_template()
         except LocalserveError:
             return None
+
+
+def read_tokenizer(path: Path, gguf: GGUFFile | None = None) -> Tokenizer | None:
+    """The tokenizer of an HF folder (tokenizer.json) or of a GGUF file (its vocabulary,
+    from ``gguf`` when already open), or None when it ships none; reads nothing else, so
+    it works for architectures localserve cannot run."""
+    if gguf is None and path.is_file():
+        with read_gguf(path) as opened:
+            return read_tokenizer(path, opened)
+    if gguf is not None:
+        if "tokenizer.ggml.model" not in gguf.metadata:
+            return None
+        return tokenizer_from_gguf_metadata(gguf.metadata)
+    return Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
