@@ -18,8 +18,10 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 #define LOCALSERVE_AVX2 1
 #endif
 
@@ -42,11 +44,23 @@ struct Factors {
     for (int64_t i = 0; i < width; ++i) out[i] = static_cast<float>(row[i]);
   }
 
+  // fp16 with the hardware conversion where there is one: the scalar conversion costs
+  // as much as the dot product itself at a GEMV's single row of x.
+  void widen_half(int64_t n, float* out) const {
+    const at::Half* row = static_cast<const at::Half*>(data) + n * width;
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= width; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+#endif
+    for (; i < width; ++i) out[i] = static_cast<float>(row[i]);
+  }
+
   // Row n as fp32 (every supported type converts exactly).
   void widen(int64_t n, float* out) const {
     switch (type) {
       case at::kFloat: widen_as<float>(n, out); break;
-      case at::kHalf: widen_as<at::Half>(n, out); break;
+      case at::kHalf: widen_half(n, out); break;
       case at::kByte: widen_as<uint8_t>(n, out); break;
       case at::kChar: widen_as<int8_t>(n, out); break;
       case at::kShort: widen_as<int16_t>(n, out); break;
@@ -120,34 +134,68 @@ inline __m256 dequantize8(__m256 q, __m256 scale, __m256 offset) {
 }
 
 // out[r] = sum_k x[r, k] * w[k] for one output row's codes, kRows rows of x at once.
-template <bool kPacked, bool kMins, int kRows>
-void row_dots_avx2(const float* x, int64_t k, const uint8_t* codes, int64_t group_size, const float* scale,
-                   const float* offset, float* out) {
-  __m256 acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = _mm256_setzero_ps();
+// Each step widens eight codes (two vectors of eight for packed nibbles) and meets every
+// row; kUnroll steps go to separate accumulators. A fused multiply-add waits about four
+// cycles for the one before it on the same accumulator, so a single row of x (decode of
+// one sequence) needs several chains to keep the FMA units busy; eight rows are eight
+// chains already. kGroup, when not 0, is the group size known at compile time: the common
+// 32 (every GGUF block type but the 16-wide K-quant sub-blocks) then needs no inner loop.
+template <bool kPacked, bool kMins, int kRows, int kUnroll, int kGroup>
+void row_dots_avx2(const float* x, int64_t k, const uint8_t* codes, int64_t runtime_group_size,
+                   const float* scale, const float* offset, float* out) {
+  const int64_t group_size = kGroup ? kGroup : runtime_group_size;
+  constexpr int kPerStep = kPacked ? 2 : 1;
+  constexpr int kChains = kUnroll * kPerStep;
+  const int64_t half = group_size / 2;  // packed: a group's even inputs, then its odd ones
+  __m256 acc[kRows][kChains];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0, k0 = 0; k0 < k; ++g, k0 += group_size) {
     const __m256 s = _mm256_set1_ps(scale[g]), o = _mm256_set1_ps(offset[g]);
-    if constexpr (kPacked) {
-      const int64_t half = group_size / 2;
-      for (int64_t j = 0; j < half; j += 8) {
-        __m256 lo, hi;
-        widen_nibbles(codes + k0 / 2 + j, &lo, &hi);
-        lo = dequantize8<kMins>(lo, s, o);
-        hi = dequantize8<kMins>(hi, s, o);
-        for (int r = 0; r < kRows; ++r) {
-          const float* xr = x + r * k + k0;
-          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + j), lo, acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + half + j), hi, acc[r]);
+    for (int64_t j = 0; j < group_size / kPerStep; j += 8 * kUnroll) {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t at = j + 8 * u;
+        __m256 w[kPerStep];
+        if constexpr (kPacked) {
+          widen_nibbles(codes + k0 / 2 + at, &w[0], &w[1]);
+        } else {
+          w[0] = widen_bytes(codes + k0 + at);
         }
-      }
-    } else {
-      for (int64_t j = 0; j < group_size; j += 8) {
-        const __m256 w = dequantize8<kMins>(widen_bytes(codes + k0 + j), s, o);
-        for (int r = 0; r < kRows; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k0 + j), w, acc[r]);
+        for (int t = 0; t < kPerStep; ++t) w[t] = dequantize8<kMins>(w[t], s, o);
+        for (int r = 0; r < kRows; ++r)
+          for (int t = 0; t < kPerStep; ++t) {
+            __m256& a = acc[r][u * kPerStep + t];
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + k0 + t * half + at), w[t], a);
+          }
       }
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r] = hsum(acc[r]);
+  for (int r = 0; r < kRows; ++r) {
+    __m256 sum = acc[r][0];
+    for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
+    out[r] = hsum(sum);
+  }
+}
+
+// Blocks of eight rows of x, then four, then single rows with as many chains as the
+// group's steps divide into (up to four vectors).
+template <bool kPacked, bool kMins, int kGroup>
+void row_blocks_avx2(const float* x, int64_t rows, int64_t k, const uint8_t* codes, int64_t group_size,
+                     const float* scale, const float* offset, float* out) {
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock)
+    row_dots_avx2<kPacked, kMins, kRowBlock, 1, kGroup>(x + r * k, k, codes, group_size, scale, offset, out + r);
+  for (; r + 4 <= rows; r += 4)
+    row_dots_avx2<kPacked, kMins, 4, 1, kGroup>(x + r * k, k, codes, group_size, scale, offset, out + r);
+  const int64_t steps = group_size / (kPacked ? 16 : 8);
+  for (; r < rows; ++r) {
+    if (!kPacked && steps % 4 == 0)
+      row_dots_avx2<kPacked, kMins, 1, 4, kGroup>(x + r * k, k, codes, group_size, scale, offset, out + r);
+    else if (steps % 2 == 0)
+      row_dots_avx2<kPacked, kMins, 1, 2, kGroup>(x + r * k, k, codes, group_size, scale, offset, out + r);
+    else
+      row_dots_avx2<kPacked, kMins, 1, 1, kGroup>(x + r * k, k, codes, group_size, scale, offset, out + r);
+  }
 }
 #endif
 
@@ -180,15 +228,9 @@ template <bool kPacked, bool kMins>
 void row_dots(const float* x, int64_t rows, int64_t k, const uint8_t* codes, int64_t group_size, const float* scale,
               const float* offset, float* out) {
 #ifdef LOCALSERVE_AVX2
-  if (group_size % (kPacked ? 16 : 8) == 0) {
-    int64_t r = 0;
-    for (; r + kRowBlock <= rows; r += kRowBlock)
-      row_dots_avx2<kPacked, kMins, kRowBlock>(x + r * k, k, codes, group_size, scale, offset, out + r);
-    for (; r + 4 <= rows; r += 4)
-      row_dots_avx2<kPacked, kMins, 4>(x + r * k, k, codes, group_size, scale, offset, out + r);
-    for (; r < rows; ++r) row_dots_avx2<kPacked, kMins, 1>(x + r * k, k, codes, group_size, scale, offset, out + r);
-    return;
-  }
+  if (group_size == 32) return row_blocks_avx2<kPacked, kMins, 32>(x, rows, k, codes, group_size, scale, offset, out);
+  if (group_size % (kPacked ? 16 : 8) == 0)
+    return row_blocks_avx2<kPacked, kMins, 0>(x, rows, k, codes, group_size, scale, offset, out);
 #endif
   row_dots_plain<kPacked, kMins>(x, rows, k, codes, group_size, scale, offset, out);
 }
