@@ -34,6 +34,10 @@ class QuantWeight:
     ``super_scales[n, g // groups_per_super] * scales[n, g]``; likewise ``super_mins``
     times integer ``mins``. That is the product ggml computes, kept factored so the
     weight stays at its file size instead of carrying an fp32 scale per 16 inputs.
+
+    ``int8_activations`` (set for GGUF's 4-bit types): at decode sizes on the CPU, x is
+    rounded to int8 per block of 32 inputs before the dot products, as llama.cpp's CPU
+    backend computes them (``quantize_activations`` is that rounding in torch).
     """
 
     bits: int
@@ -46,6 +50,7 @@ class QuantWeight:
     super_scales: torch.Tensor | None = None  # fp16 [N, groups // groups_per_super]
     super_mins: torch.Tensor | None = None  # fp16, as super_scales (mins form only)
     groups_per_super: int = 1
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         if (self.zeros is None) == (self.mins is None):
@@ -201,6 +206,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tens
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def quantize_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x rounded as the int8-activation path rounds it: per block of ``block`` inputs,
+    ``round(x / d) * d`` with ``d = max|x| / 127`` (0 for an all-zero block)."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d == 0, 0.0, torch.round(blocks / d))
+    return (q * d).reshape(x.shape)
 
 
 def quant_linear_ref(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from localserve import Engine, EngineConfig
 from localserve.models.moe import SparseMoE
 
-from .conftest import hf_logits, random_prompt, relative_error
+from .conftest import exact_cpu_matmul, hf_logits, random_prompt, relative_error
 from .gguf_writers import dequantized_reference, tiny_moe, write_gguf
 from .test_gguf_models import llama_cpp_logits, llama_cpp_quantize
 from .test_models import all_logits
@@ -55,7 +55,9 @@ def check_against_oracles(path, model) -> None:
     engine = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu", dtype=torch.float32)
     prompt = [1, *random_prompt(47, seed=11)]
     ours, margins = logits_and_router_margins(engine, prompt)
-    versus_dequantized = relative_error(ours, hf_logits(dequantized_reference(path, model), prompt))
+    with exact_cpu_matmul():
+        exact, _ = logits_and_router_margins(engine, prompt)
+    versus_dequantized = relative_error(exact, hf_logits(dequantized_reference(path, model), prompt))
     clear = margins >= NEAR_TIE
     versus_llama_cpp = relative_error(ours[clear], llama_cpp_logits(path, prompt)[clear])
     print(f"\n{path.name}: vs dequantized {versus_dequantized:.1e}, vs llama.cpp {versus_llama_cpp:.1e} "

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from localserve.kernels import cpu_extension, quant_linear_cpu
-from localserve.kernels.quant_linear import QuantWeight, pack_codes, quant_linear, quant_linear_ref
+from localserve.kernels.quant_linear import (QuantWeight, pack_codes, quant_linear, quant_linear_ref,
+                                             quantize_activations)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -66,6 +67,50 @@ def test_fused_equals_reference(bits, group_size, form, scale_dtype, zero_dtype,
         ours = quant_linear_cpu.quant_linear(x, weight, bias)
         # Same dequantized values; only the order (and fusing) of the sums differs from the GEMM's.
         assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+
+
+INT8_CASES = [case for case in CASES if case[0] <= 4 and case[1] % 32 == 0 and not case[5]]
+
+
+@pytest.mark.parametrize("bits,group_size,form,scale_dtype,zero_dtype,permuted", INT8_CASES)
+def test_int8_activations_equal_reference_on_rounded_x(bits, group_size, form, scale_dtype, zero_dtype,
+                                                       permuted) -> None:
+    """The integer path computes exactly the float path on x rounded per 32 inputs."""
+    weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted, k=256)
+    weight.int8_activations = True
+    assert quant_linear_cpu.uses_int8_activations(weight)
+    for rows in (1, 3, 6, quant_linear_cpu.MAX_ROWS):  # 6: a block of 4 and two single rows
+        x = torch.randn(rows, weight.in_features)
+        x[0, :32] = 0  # an all-zero block
+        x[-1, 32:64] *= 1000  # blocks of very different ranges
+        ours = quant_linear_cpu.quant_linear(x, weight)
+        expected = quant_linear_ref(quantize_activations(x), weight)
+        assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+        # And not the same as the unrounded x: the path is taken.
+        assert not torch.allclose(ours, quant_linear_ref(x, weight), rtol=1e-6, atol=0)
+
+
+def test_quantize_activations_rounds_to_127_levels_per_block() -> None:
+    x = torch.randn(3, 64) * torch.tensor([1.0, 100.0]).repeat_interleave(32)
+    rounded = quantize_activations(x)
+    for block in range(2):
+        part, original = rounded[:, 32 * block: 32 * block + 32], x[:, 32 * block: 32 * block + 32]
+        d = original.abs().amax(-1, keepdim=True) / 127
+        codes = part / d
+        assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.abs().max() <= 127 + 1e-3
+        assert ((part - original).abs() <= d / 2 + 1e-6).all()
+    assert (quantize_activations(torch.zeros(2, 32)) == 0).all()
+
+
+def test_exact_cpu_matmul_keeps_fp32_activations(monkeypatch) -> None:
+    weight = make_weight(4, 32, "zeros", torch.float16, torch.uint8, permuted=False, k=128)
+    weight.int8_activations = True
+    monkeypatch.setenv("LOCALSERVE_EXACT_CPU_MATMUL", "1")
+    assert not quant_linear_cpu.uses_int8_activations(weight)
+    x = torch.randn(2, 128)
+    expected = quant_linear_ref(x, weight)
+    ours = quant_linear_cpu.quant_linear(x, weight)
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 
 def test_dispatch_uses_fused_kernel_only_for_few_rows(monkeypatch) -> None:

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -255,6 +256,135 @@ void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* o
   }
 }
 
+// --- int8 activations (packed 4-bit codes) ---------------------------------------------
+//
+// llama.cpp's CPU backend quantizes x to 8 bits per block of 32 inputs before its dot
+// products with 4-bit weights; so does this path, for the weights loaded from GGUF files.
+// Block b of row r holds q = round(x / d) with d = max|x| / 127, its inputs in the order a
+// block's 16 code bytes widen to (the low nibbles: even inputs, then the high ones: odd
+// inputs). A block's dot product is then integer work (maddubs: u8 codes times s8 x,
+// pairwise into s16, then madd into s32) scaled once by scale * d; each group's zero or
+// min meets d * sum(q) of its blocks. Exactly the float path applied to the rounded
+// x = q * d, up to the order of the sums.
+constexpr int64_t kXBlock = 32;
+
+struct Int8Rows {
+  std::vector<int8_t> q;     // [rows, K], per block in the order above
+  std::vector<float> d;      // [rows, K / 32]
+  std::vector<float> d_sum;  // [rows, groups]: d * sum(q) over each weight group's blocks
+};
+
+Int8Rows quantize_rows(const float* x, int64_t rows, int64_t k, int64_t group_size) {
+  const int64_t blocks = k / kXBlock, per_group = group_size / kXBlock, groups = k / group_size;
+  Int8Rows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks),
+               std::vector<float>(rows * groups, 0.0f)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* src = x + r * k + b * kXBlock;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < kXBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.0f;
+      int8_t* dst = out.q.data() + r * k + b * kXBlock;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < kXBlock; ++j) {
+        // nearbyint rounds half to even, as torch.round in the reference.
+        const int8_t q = d == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(src[j] / d));
+        dst[j % 2 == 0 ? j / 2 : kXBlock / 2 + j / 2] = q;
+        sum += q;
+      }
+      out.d[r * blocks + b] = d;
+      out.d_sum[r * groups + b / per_group] += d * static_cast<float>(sum);
+    }
+  }
+  return out;
+}
+
+// One block's integer dot product, sum(codes * q), as eight s32 lanes (AVX2) or a scalar.
+#ifdef LOCALSERVE_AVX2
+inline __m256i block_dot(const uint8_t* codes, const int8_t* q) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  // Codes are at most 15 and |q| at most 127: a pair sums to at most 3810, no s16 saturation.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// kRows rows of x against one output row; two accumulators per row when there is one row,
+// so consecutive blocks do not wait on each other's multiply-add.
+template <int kRows>
+void int8_row_dots_avx2(const Int8Rows& xq, int64_t r0, int64_t k, const uint8_t* codes, int64_t group_size,
+                        const float* scale, float* out) {
+  constexpr int kChains = kRows == 1 ? 2 : 1;
+  const int64_t blocks = k / kXBlock, per_group = group_size / kXBlock;
+  __m256 acc[kRows][kChains];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
+  int64_t g = 0, in_group = 0;  // the block's group, counted (a division per block costs more than its dot)
+  for (int64_t b = 0; b < blocks; b += kChains) {
+    for (int c = 0; c < kChains && b + c < blocks; ++c) {
+      const int64_t block = b + c;
+      const float s = scale[g];
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t row = r0 + r;
+        const __m256i dot = block_dot(codes + block * kXBlock / 2, xq.q.data() + row * k + block * kXBlock);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xq.d[row * blocks + block]),
+                                    acc[r][c]);
+      }
+      if (++in_group == per_group) in_group = 0, ++g;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    __m256 sum = acc[r][0];
+    for (int c = 1; c < kChains; ++c) sum = _mm256_add_ps(sum, acc[r][c]);
+    out[r] = hsum(sum);
+  }
+}
+#endif
+
+void int8_row_dots_plain(const Int8Rows& xq, int64_t row, int64_t k, const uint8_t* codes, int64_t group_size,
+                         const float* scale, float* out) {
+  const int64_t blocks = k / kXBlock, per_group = group_size / kXBlock;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* q = xq.q.data() + row * k + b * kXBlock;
+    const uint8_t* c = codes + b * kXBlock / 2;
+    int32_t dot = 0;
+    for (int64_t j = 0; j < kXBlock / 2; ++j) dot += (c[j] & 0xF) * q[j] + (c[j] >> 4) * q[kXBlock / 2 + j];
+    acc += static_cast<float>(dot) * (scale[b / per_group] * xq.d[row * blocks + b]);
+  }
+  *out = acc;
+}
+
+template <bool kMins>
+void int8_gemv(const float* x, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
+  const int64_t groups = wt.scales.width;
+  const Int8Rows xq = quantize_rows(x, rows, k, wt.group_size);
+#pragma omp parallel
+  {
+    std::vector<float> dots(rows), scale(groups), offset(groups), outer(groups);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < n_out; ++n) {
+      group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
+      group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
+      const uint8_t* codes = wt.codes + n * (k / 2);
+      int64_t r = 0;
+#ifdef LOCALSERVE_AVX2
+      for (; r + 4 <= rows; r += 4) int8_row_dots_avx2<4>(xq, r, k, codes, wt.group_size, scale.data(), &dots[r]);
+      for (; r < rows; ++r) int8_row_dots_avx2<1>(xq, r, k, codes, wt.group_size, scale.data(), &dots[r]);
+#endif
+      for (; r < rows; ++r) int8_row_dots_plain(xq, r, k, codes, wt.group_size, scale.data(), &dots[r]);
+      for (int64_t m = 0; m < rows; ++m) {
+        // (q - zero) * scale: the zero meets scale * d * sum(q); scale * q - min: the min meets d * sum(q).
+        const float* d_sum = xq.d_sum.data() + m * groups;
+        float offsets = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) offsets += (kMins ? offset[g] : offset[g] * scale[g]) * d_sum[g];
+        out[m * n_out + n] = dots[m] - offsets;
+      }
+    }
+  }
+}
+
 std::optional<Factors> optional_factors(const std::optional<torch::Tensor>& t) {
   if (!t) return std::nullopt;
   return Factors::of(*t);
@@ -264,10 +394,11 @@ std::optional<Factors> optional_factors(const std::optional<torch::Tensor>& t) {
 
 // x [rows, K] fp32; codes uint8 [N, K/2] (packed) or [N, K]; scales [N, G] (fp16/fp32, or
 // integer sub-scales with super_scales [N, G / groups_per_super]); offsets: zeros
-// (uint8/int16) or mins (fp32, or integer sub-mins with super_offsets). Returns [rows, N].
+// (uint8/int16) or mins (fp32, or integer sub-mins with super_offsets); int8_x: x
+// quantized per 32 inputs first (packed codes, groups of whole blocks). Returns [rows, N].
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
                          bool mins, bool packed, int64_t group_size, std::optional<torch::Tensor> super_scales,
-                         std::optional<torch::Tensor> super_offsets, int64_t groups_per_super) {
+                         std::optional<torch::Tensor> super_offsets, int64_t groups_per_super, bool int8_x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous fp32 [rows, K]");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == torch::kUInt8, "codes: contiguous uint8");
   const int64_t k = x.size(1);
@@ -275,13 +406,16 @@ torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   TORCH_CHECK(!packed || group_size % 2 == 0, "packed codes need an even group size");
   TORCH_CHECK(codes.size(1) == (packed ? k / 2 : k), "codes do not match K");
   TORCH_CHECK(groups_per_super > 0, "groups_per_super must be positive");
+  TORCH_CHECK(!int8_x || (packed && group_size % kXBlock == 0), "int8 x needs packed codes in groups of 32s");
   const Weight weight{codes.data_ptr<uint8_t>(), packed, group_size, Factors::of(scales), Factors::of(offsets),
                       optional_factors(super_scales), optional_factors(super_offsets), groups_per_super};
   auto out = torch::empty({x.size(0), codes.size(0)}, x.options());
   const float* xs = x.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t rows = x.size(0), n_out = codes.size(0);
-  if (packed) {
+  if (int8_x) {
+    mins ? int8_gemv<true>(xs, rows, k, weight, os, n_out) : int8_gemv<false>(xs, rows, k, weight, os, n_out);
+  } else if (packed) {
     mins ? gemv<true, true>(xs, rows, k, weight, os, n_out) : gemv<true, false>(xs, rows, k, weight, os, n_out);
   } else {
     mins ? gemv<false, true>(xs, rows, k, weight, os, n_out) : gemv<false, false>(xs, rows, k, weight, os, n_out);

@@ -328,7 +328,9 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
     zeros = torch.full((rows, groups), bt.zero, dtype=torch.uint8) if bt.zero is not None else None
     return QuantWeight(bits=bt.bits, group_size=bt.group_size, codes=codes, scales=scales, zeros=zeros, mins=mins,
                        super_scales=super_scales, super_mins=super_mins,
-                       groups_per_super=bt.block_elements // bt.group_size if bt.two_level else 1)
+                       groups_per_super=bt.block_elements // bt.group_size if bt.two_level else 1,
+                       # ggml's CPU dot products round x to 8 bits for these; so do ours.
+                       int8_activations=bt.bits == 4)
 
 
 def loaded_nbytes(name: str, ggml_type: int, shape: tuple[int, ...], dense_item_bytes: int) -> int:
