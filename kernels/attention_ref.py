@@ -100,11 +100,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """Prefill chunks here; the decode tokens through ``decode`` (default
     ``decode_attention``; the CPU kernels pass their own)."""
+    decode = decode or decode_attention
+    if meta.max_query_len == 1:  # decodes only (most steps): every row, in order
+        return decode(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), scale, k_scale, v_scale)
     out = torch.empty_like(query)
     decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
     if decodes:
         rows = meta.query_start_loc[torch.tensor(decodes, device=query.device)].long()
-        out[rows] = (decode or decode_attention)(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale,
+        out[rows] = decode(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale,
                                                   v_scale)
     return out
 
