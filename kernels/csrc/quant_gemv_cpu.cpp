@@ -236,12 +236,11 @@ void row_dots(const float* x, int64_t rows, int64_t k, const uint8_t* codes, int
   row_dots_plain<kPacked, kMins>(x, rows, k, codes, group_size, scale, offset, out);
 }
 
-template <bool kPacked, bool kMins>
-void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
-  const int64_t code_stride = kPacked ? k / 2 : k;
+// Every output row n, split over the threads: its group scales and offsets widened to fp32,
+// then row_fn(n, scale, offset, dots) gives the rows' results for it, written to out[:, n].
+template <typename RowFn>
+void for_each_output_row(const Weight& wt, int64_t rows, float* out, int64_t n_out, RowFn row_fn) {
   const int64_t groups = wt.scales.width;
-  const std::vector<float> split = kPacked ? split_even_odd(x_in, rows, k, wt.group_size) : std::vector<float>();
-  const float* x = kPacked ? split.data() : x_in;
 #pragma omp parallel
   {
     std::vector<float> dots(rows), scale(groups), offset(groups), outer(groups);
@@ -249,11 +248,20 @@ void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* o
     for (int64_t n = 0; n < n_out; ++n) {
       group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
       group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
-      row_dots<kPacked, kMins>(x, rows, k, wt.codes + n * code_stride, wt.group_size, scale.data(),
-                               offset.data(), dots.data());
+      row_fn(n, scale.data(), offset.data(), dots.data());
       for (int64_t m = 0; m < rows; ++m) out[m * n_out + n] = dots[m];
     }
   }
+}
+
+template <bool kPacked, bool kMins>
+void gemv(const float* x_in, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
+  const int64_t code_stride = kPacked ? k / 2 : k;
+  const std::vector<float> split = kPacked ? split_even_odd(x_in, rows, k, wt.group_size) : std::vector<float>();
+  const float* x = kPacked ? split.data() : x_in;
+  for_each_output_row(wt, rows, out, n_out, [&](int64_t n, const float* scale, const float* offset, float* dots) {
+    row_dots<kPacked, kMins>(x, rows, k, wt.codes + n * code_stride, wt.group_size, scale, offset, dots);
+  });
 }
 
 // --- int8 activations (packed 4-bit codes) ---------------------------------------------
@@ -360,29 +368,22 @@ template <bool kMins>
 void int8_gemv(const float* x, int64_t rows, int64_t k, const Weight& wt, float* out, int64_t n_out) {
   const int64_t groups = wt.scales.width;
   const Int8Rows xq = quantize_rows(x, rows, k, wt.group_size);
-#pragma omp parallel
-  {
-    std::vector<float> dots(rows), scale(groups), offset(groups), outer(groups);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < n_out; ++n) {
-      group_values(wt.scales, wt.super_scales, wt.groups_per_super, n, scale.data(), outer.data());
-      group_values(wt.offsets, wt.super_offsets, wt.groups_per_super, n, offset.data(), outer.data());
-      const uint8_t* codes = wt.codes + n * (k / 2);
-      int64_t r = 0;
+  for_each_output_row(wt, rows, out, n_out, [&](int64_t n, const float* scale, const float* offset, float* dots) {
+    const uint8_t* codes = wt.codes + n * (k / 2);
+    int64_t r = 0;
 #ifdef LOCALSERVE_AVX2
-      for (; r + 4 <= rows; r += 4) int8_row_dots_avx2<4>(xq, r, k, codes, wt.group_size, scale.data(), &dots[r]);
-      for (; r < rows; ++r) int8_row_dots_avx2<1>(xq, r, k, codes, wt.group_size, scale.data(), &dots[r]);
+    for (; r + 4 <= rows; r += 4) int8_row_dots_avx2<4>(xq, r, k, codes, wt.group_size, scale, &dots[r]);
+    for (; r < rows; ++r) int8_row_dots_avx2<1>(xq, r, k, codes, wt.group_size, scale, &dots[r]);
 #endif
-      for (; r < rows; ++r) int8_row_dots_plain(xq, r, k, codes, wt.group_size, scale.data(), &dots[r]);
-      for (int64_t m = 0; m < rows; ++m) {
-        // (q - zero) * scale: the zero meets scale * d * sum(q); scale * q - min: the min meets d * sum(q).
-        const float* d_sum = xq.d_sum.data() + m * groups;
-        float offsets = 0.0f;
-        for (int64_t g = 0; g < groups; ++g) offsets += (kMins ? offset[g] : offset[g] * scale[g]) * d_sum[g];
-        out[m * n_out + n] = dots[m] - offsets;
-      }
+    for (; r < rows; ++r) int8_row_dots_plain(xq, r, k, codes, wt.group_size, scale, &dots[r]);
+    for (int64_t m = 0; m < rows; ++m) {
+      // (q - zero) * scale: the zero meets scale * d * sum(q); scale * q - min: the min meets d * sum(q).
+      const float* d_sum = xq.d_sum.data() + m * groups;
+      float offsets = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) offsets += (kMins ? offset[g] : offset[g] * scale[g]) * d_sum[g];
+      dots[m] -= offsets;
     }
-  }
+  });
 }
 
 std::optional<Factors> optional_factors(const std::optional<torch::Tensor>& t) {
