@@ -107,8 +107,7 @@ def paged_attention(
     decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
     if decodes:
         rows = meta.query_start_loc[torch.tensor(decodes, device=query.device)].long()
-        out[rows] = decode(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale,
-                                                  v_scale)
+        out[rows] = decode(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
     return out
 
 

@@ -153,15 +153,9 @@ def exact_cpu_matmul():  # type: ignore[no-untyped-def]
     """fp32 activations for every quantized weight (LOCALSERVE_EXACT_CPU_MATMUL=1), as a
     comparison with a dequantized fp32 model needs: by default GGUF's 4-bit weights meet
     x rounded to int8 at decode sizes, as in llama.cpp."""
-    previous = os.environ.get("LOCALSERVE_EXACT_CPU_MATMUL")
-    os.environ["LOCALSERVE_EXACT_CPU_MATMUL"] = "1"
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCALSERVE_EXACT_CPU_MATMUL", "1")
         yield
-    finally:
-        if previous is None:
-            del os.environ["LOCALSERVE_EXACT_CPU_MATMUL"]
-        else:
-            os.environ["LOCALSERVE_EXACT_CPU_MATMUL"] = previous
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
