@@ -35,9 +35,10 @@ class QuantWeight:
     times integer ``mins``. That is the product ggml computes, kept factored so the
     weight stays at its file size instead of carrying an fp32 scale per 16 inputs.
 
-    ``int8_activations`` (set for GGUF's 4-bit types): at decode sizes on the CPU, x is
-    rounded to int8 per block of 32 inputs before the dot products, as llama.cpp's CPU
-    backend computes them (``quantize_activations`` is that rounding in torch).
+    ``int8_block`` (set for GGUF's quantized types): at decode sizes on the CPU, x is
+    rounded to int8 per block of this many inputs before the dot products, as llama.cpp's
+    CPU backend computes them: 32 (its Q8_0/Q8_1) for the simple types, 256 (Q8_K) for
+    the K-quants (``quantize_activations`` is that rounding in torch). 0: x stays fp32.
     """
 
     bits: int
@@ -50,7 +51,7 @@ class QuantWeight:
     super_scales: torch.Tensor | None = None  # fp16 [N, groups // groups_per_super]
     super_mins: torch.Tensor | None = None  # fp16, as super_scales (mins form only)
     groups_per_super: int = 1
-    int8_activations: bool = False
+    int8_block: int = 0
 
     def __post_init__(self) -> None:
         if (self.zeros is None) == (self.mins is None):

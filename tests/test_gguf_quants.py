@@ -73,7 +73,9 @@ SHAPES = [(3, 256), (8, 512)]
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("qtype", LEGACY + K_QUANTS, ids=lambda t: t.name)
 def test_random_blocks_match_gguf_py(qtype: T, shape: tuple[int, int]) -> None:
-    assert_matches_reference(random_blocks(qtype, shape, seed=shape[0]), qtype, shape)
+    weight = assert_matches_reference(random_blocks(qtype, shape, seed=shape[0]), qtype, shape)
+    # x meets it rounded to int8 per llama.cpp's block for the type: Q8_K for K-quants, else Q8_0/Q8_1.
+    assert weight.int8_block == (256 if qtype in K_QUANTS else 32)
 
 
 # gguf-py quantizes only the legacy types; K-quants come from random blocks above and

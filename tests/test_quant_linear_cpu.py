@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from localserve.kernels import cpu_extension, quant_linear_cpu
-from localserve.kernels.quant_linear import (QuantWeight, pack_codes, quant_linear, quant_linear_ref,
+from localserve.kernels.quant_linear import (QuantWeight, dequantize, pack_codes, quant_linear, quant_linear_ref,
                                              quantize_activations)
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -69,25 +69,35 @@ def test_fused_equals_reference(bits, group_size, form, scale_dtype, zero_dtype,
         assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
 
 
-INT8_CASES = [case for case in CASES if case[0] <= 4 and case[1] % 32 == 0 and not case[5]]
+INT8_CASES = [case for case in CASES if not case[5]]  # every width (nibbles, bytes, 8-bit bytes), 16-input groups too
 
 
+@pytest.mark.parametrize("x_block", [32, 256])  # llama.cpp's Q8_0/Q8_1 and Q8_K
 @pytest.mark.parametrize("bits,group_size,form,scale_dtype,zero_dtype,permuted", INT8_CASES)
-def test_int8_activations_equal_reference_on_rounded_x(bits, group_size, form, scale_dtype, zero_dtype,
-                                                       permuted) -> None:
-    """The integer path computes exactly the float path on x rounded per 32 inputs."""
-    weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted, k=256)
-    weight.int8_activations = True
+def test_int8_activations_equal_reference_on_rounded_x(bits, group_size, form, scale_dtype, zero_dtype, permuted,
+                                                       x_block) -> None:
+    """The integer path computes exactly the float path on x rounded per block, for codes
+    stored as nibbles (2, 4 bits), bytes (5) and full bytes (8: shifted to signed)."""
+    weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted, k=512)
+    weight.int8_block = x_block
     assert quant_linear_cpu.uses_int8_activations(weight)
     for rows in (1, 3, 6, quant_linear_cpu.MAX_ROWS):  # 6: a block of 4 and two single rows
         x = torch.randn(rows, weight.in_features)
-        x[0, :32] = 0  # an all-zero block
-        x[-1, 32:64] *= 1000  # blocks of very different ranges
+        x[0, :x_block] = 0  # an all-zero block
+        x[-1, x_block:2 * x_block] *= 1000  # blocks of very different ranges
         ours = quant_linear_cpu.quant_linear(x, weight)
-        expected = quant_linear_ref(quantize_activations(x), weight)
-        assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
-        # And not the same as the unrounded x: the path is taken.
+        rounded = quantize_activations(x, x_block)
+        expected = quant_linear_ref(rounded, weight)
+        # The sums in another order, and zero points (up to 300 here) met once per group
+        # instead of per input: rounding errors scale with the terms' magnitudes, which
+        # a large zero point makes far larger than the result.
+        magnitude = rounded.abs() @ dequantize(weight).abs().T
+        assert ((ours - expected).abs() <= 1e-5 * magnitude).all()
+        # And not the same as the unrounded x, nor as x rounded per 32 when the block is
+        # larger: the path is taken, with its block size.
         assert not torch.allclose(ours, quant_linear_ref(x, weight), rtol=1e-6, atol=0)
+        if x_block != 32:
+            assert not torch.allclose(ours, quant_linear_ref(quantize_activations(x, 32), weight), rtol=1e-6, atol=0)
 
 
 def test_quantize_activations_rounds_to_127_levels_per_block() -> None:
@@ -104,7 +114,7 @@ def test_quantize_activations_rounds_to_127_levels_per_block() -> None:
 
 def test_exact_cpu_matmul_keeps_fp32_activations(monkeypatch) -> None:
     weight = make_weight(4, 32, "zeros", torch.float16, torch.uint8, permuted=False, k=128)
-    weight.int8_activations = True
+    weight.int8_block = 32
     monkeypatch.setenv("LOCALSERVE_EXACT_CPU_MATMUL", "1")
     assert not quant_linear_cpu.uses_int8_activations(weight)
     x = torch.randn(2, 128)

@@ -4,8 +4,8 @@
 #include <optional>
 
 torch::Tensor quant_gemv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets,
-                         bool mins, bool packed, int64_t group_size, std::optional<torch::Tensor> super_scales,
-                         std::optional<torch::Tensor> super_offsets, int64_t groups_per_super, bool int8_x);
+                         bool mins, int64_t bits, int64_t group_size, std::optional<torch::Tensor> super_scales,
+                         std::optional<torch::Tensor> super_offsets, int64_t groups_per_super, int64_t int8_block);
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 

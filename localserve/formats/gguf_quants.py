@@ -329,8 +329,9 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
     return QuantWeight(bits=bt.bits, group_size=bt.group_size, codes=codes, scales=scales, zeros=zeros, mins=mins,
                        super_scales=super_scales, super_mins=super_mins,
                        groups_per_super=bt.block_elements // bt.group_size if bt.two_level else 1,
-                       # ggml's CPU dot products round x to 8 bits for these; so do ours.
-                       int8_activations=bt.bits == 4)
+                       # ggml's CPU dot products round x to 8 bits for every quantized type, per
+                       # block of the type's own size (Q8_0/Q8_1: 32, Q8_K: 256); so do ours.
+                       int8_block=bt.block_elements)
 
 
 def loaded_nbytes(name: str, ggml_type: int, shape: tuple[int, ...], dense_item_bytes: int) -> int:
