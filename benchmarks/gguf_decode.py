@@ -7,7 +7,9 @@ layers, FFN 2816, the stories 512-token vocabulary so llama.cpp can load it), wr
 it as F32 GGUF, quantizes it with llama.cpp's own quantizer, and for each type runs
 one stream, then 16 requests (localserve batches them; llama-cpp-python's Llama
 serves one sequence, so it runs them one after another, as its server would).
-Prints output tokens/s (32-token prompts, greedy, EOS ignored) and ratios.
+Prints output tokens/s (32-token prompts, greedy, EOS ignored) and ratios. Each figure is
+the best of --repeats runs (both systems alike): on a shared machine the slowest runs
+measure the neighbours.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,32 +56,41 @@ def quantize(source: Path, target: Path, ftype: str) -> None:
         raise RuntimeError(f"llama.cpp could not quantize to {ftype}")
 
 
-def bench_llama_cpp(path: Path, prompts: list[list[int]], output_len: int) -> float:
+def bench_llama_cpp(path: Path, prompts: list[list[int]], output_len: int, repeats: int = 1) -> float:
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=torch.get_num_threads(),
                           verbose=False)
-    start = time.perf_counter()
-    for prompt in prompts:
-        llm.reset()
-        llm.eval(prompt)
-        for _ in range(output_len):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            llm.eval([token])
-    elapsed = time.perf_counter() - start
+
+    def run() -> None:
+        for prompt in prompts:
+            llm.reset()
+            llm.eval(prompt)
+            for _ in range(output_len):
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                llm.eval([token])
+
+    elapsed = best_time(run, repeats)
     llm.close()
     return elapsed
 
 
-def bench_localserve(path: Path, prompts: list[list[int]], output_len: int) -> float:
+def bench_localserve(path: Path, prompts: list[list[int]], output_len: int, repeats: int = 1) -> float:
     from localserve import LLM, SamplingParams
 
     llm = LLM(path, device="cpu", num_kv_blocks=256)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    return time.perf_counter() - start
+    return best_time(lambda: llm.generate(prompts, params), repeats)
+
+
+def best_time(run: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -86,6 +98,7 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K_M"])
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrent", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(1)
     prompts = [[1, *torch.randint(3, 512, (31,), generator=generator).tolist()] for _ in range(args.concurrent)]
@@ -98,8 +111,8 @@ def main() -> None:
             quantize(source, path, ftype)
             for label, batch in (("1 stream", prompts[:1]), (f"{args.concurrent} requests", prompts)):
                 tokens = len(batch) * args.output_len
-                ours = tokens / bench_localserve(path, batch, args.output_len)
-                theirs = tokens / bench_llama_cpp(path, batch, args.output_len)
+                ours = tokens / bench_localserve(path, batch, args.output_len, args.repeats)
+                theirs = tokens / bench_llama_cpp(path, batch, args.output_len, args.repeats)
                 rows.append((ftype, label, ours, theirs))
                 print(f"{ftype:8s} {label:12s} localserve {ours:8.1f} tok/s  llama.cpp {theirs:8.1f} tok/s  "
                       f"ratio {ours / theirs:.2f}", flush=True)
