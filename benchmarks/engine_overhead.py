@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # localserve and tests.gguf_writers from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling gguf_decode module
 
-from gguf_decode import build_f32_gguf, quantize
+from gguf_decode import build_f32_gguf, quantize, random_prompts
 
 from localserve import LLM, EngineConfig, SamplingParams
 
@@ -107,10 +107,6 @@ def instrument(llm: LLM) -> Stopwatch:
 
     runner.execute = execute_and_classify  # an instance attribute: Engine.step calls it
     return watch
-
-
-def random_prompts(generator: torch.Generator, count: int, length: int) -> list[list[int]]:
-    return [[1, *torch.randint(3, 512, (length - 1,), generator=generator).tolist()] for _ in range(count)]
 
 
 def measure(llm: LLM, watch: Stopwatch, prompts: list[list[int]], output_len: int) -> dict[str, Any]:

@@ -45,6 +45,11 @@ def build_f32_gguf(path: Path) -> None:
     write_gguf(path, model, gguf.GGMLQuantizationType.F32)
 
 
+def random_prompts(generator: torch.Generator, count: int, length: int) -> list[list[int]]:
+    """``count`` prompts of BOS then ``length - 1`` random ids from the stories vocabulary."""
+    return [[1, *torch.randint(3, 512, (length - 1,), generator=generator).tolist()] for _ in range(count)]
+
+
 def quantize(source: Path, target: Path, ftype: str) -> None:
     import ctypes
 
@@ -101,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(1)
-    prompts = [[1, *torch.randint(3, 512, (31,), generator=generator).tolist()] for _ in range(args.concurrent)]
+    prompts = random_prompts(generator, args.concurrent, 32)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "f32.gguf"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.gguf_writers and gguf_decode
-from benchmarks.gguf_decode import bench_llama_cpp, quantize  # noqa: E402
+from benchmarks.gguf_decode import bench_llama_cpp, quantize, random_prompts  # noqa: E402
 from tests.gguf_writers import write_gguf  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(1)
-    prompts = [[1, *torch.randint(3, 512, (3,), generator=generator).tolist()] for _ in range(max(args.batches))]
+    prompts = random_prompts(generator, max(args.batches), 4)
     fused_cpu = moe.fused_moe_cpu
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
