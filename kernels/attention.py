@@ -105,8 +105,8 @@ def _kernels(tensor: torch.Tensor) -> ModuleType:
 
         return attention_triton
     if use_cpu_kernels(tensor):
-        from . import attention_cpu, cpu_extension
+        from . import attention_cpu, cpu_library
 
-        if cpu_extension.available():
+        if cpu_library.available():
             return attention_cpu
     return attention_ref

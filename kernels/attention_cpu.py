@@ -1,31 +1,62 @@
-"""CPU paged attention: decode tokens through the C++ kernel
-(``csrc/paged_attention_cpu.cpp``), which reads each sequence's blocks in place instead of
-gathering them into a padded copy; prefill chunks and 8-bit caches through the reference."""
+"""CPU paged attention through the C++ kernel (``csrc/paged_attention.cpp``): every row,
+prefill or decode, reads its sequence's blocks in place, and a row at position p is
+computed exactly as a decode at length p + 1 (the same bits however the prompt was
+chunked and whatever else is in the batch). 8-bit caches and non-fp32 queries take the
+reference."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
-from . import attention_ref, cpu_extension
+from . import attention_ref, cpu_library
 from .attention import AttentionMetadata
 from .attention_ref import write_kv
 
 __all__ = ["paged_attention", "write_kv"]
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     decodes: list[int], scale: float, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     if k_scale is not None or not query.dtype == k_cache.dtype == torch.float32:
-        return attention_ref.decode_attention(query, k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
-    tables, seq_lens = meta.block_tables, meta.seq_lens
-    if len(decodes) < meta.num_seqs:  # some sequences are prefilling: just the decodes' rows
-        index = torch.tensor(decodes)
-        tables, seq_lens = tables[index].contiguous(), seq_lens[index].contiguous()
-    return cpu_extension.extension().paged_decode_attention(  # type: ignore[union-attr]
-        query.contiguous(), k_cache, v_cache, tables, seq_lens, scale)
+        return attention_ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    lib = cpu_library.library()
+    assert lib is not None
+    query = query.contiguous()
+    tokens, heads, dim = query.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    tables, query_start = meta.block_tables.contiguous(), meta.query_start_loc.contiguous()
+    seq_lens = meta.seq_lens.contiguous()
+    _check(meta, tokens, num_blocks, block_size, tables.shape[1])
+    out = torch.empty_like(query)
+    lib.ls_paged_attention(query.data_ptr(), tokens, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+                           kv_heads, tables.data_ptr(), tables.shape[1], query_start.data_ptr(), seq_lens.data_ptr(),
+                           meta.num_seqs, scale, out.data_ptr())
+    return out
 
 
-paged_attention = partial(attention_ref.paged_attention, decode=decode_attention)
+class _Checked:
+    """The last metadata checked: every layer of a step shares one, checked once."""
+
+    meta: AttentionMetadata | None = None
+
+
+def _check(meta: AttentionMetadata, tokens: int, num_blocks: int, block_size: int, max_blocks: int) -> None:
+    """The kernel trusts its tables: lengths and the block ids it will read are checked here."""
+    if meta is _Checked.meta:
+        return
+    _require(meta.block_tables.dtype == meta.seq_lens.dtype == meta.query_start_loc.dtype == torch.int32,
+             "block tables, lengths and offsets must be int32")
+    _require(sum(meta.query_lens_host) == tokens and len(meta.seq_lens_host) == meta.block_tables.shape[0],
+             "rows do not match the batch")
+    used = torch.tensor([-(-s // block_size) for s in meta.seq_lens_host])
+    _require(all(1 <= q <= s for q, s in zip(meta.query_lens_host, meta.seq_lens_host))
+             and int(used.max()) <= max_blocks, "bad sequence length")
+    ids = meta.block_tables[torch.arange(max_blocks) < used[:, None]]
+    _require(ids.numel() == 0 or (0 <= int(ids.min()) and int(ids.max()) < num_blocks), "bad block id")
+    _Checked.meta = meta
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)

@@ -12,7 +12,6 @@ magnitude. Attention dequantizes to the query dtype before its matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,10 +19,6 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from .attention import AttentionMetadata
-
-# (query rows of the decodes, k_cache, v_cache, meta, decode indices, scale, k_scale, v_scale)
-DecodeAttention = Callable[..., torch.Tensor]
-
 
 # The largest code of each 8-bit cache dtype.
 KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -96,18 +91,15 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    decode: DecodeAttention | None = None,
 ) -> torch.Tensor:
-    """Prefill chunks here; the decode tokens through ``decode`` (default
-    ``decode_attention``; the CPU kernels pass their own)."""
-    decode = decode or decode_attention
+    """Prefill chunks one sequence at a time; the decode tokens together."""
     if meta.max_query_len == 1:  # decodes only (most steps): every row, in order
-        return decode(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), scale, k_scale, v_scale)
+        return decode_attention(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), scale, k_scale, v_scale)
     out = torch.empty_like(query)
     decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
     if decodes:
         rows = meta.query_start_loc[torch.tensor(decodes, device=query.device)].long()
-        out[rows] = decode(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
+        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
     return out
 
 

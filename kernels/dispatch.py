@@ -33,8 +33,3 @@ def use_cpu_kernels(tensor: torch.Tensor) -> bool:
     torch reference (for comparison)."""
     return tensor.device.type == "cpu" and os.environ.get("LOCALSERVE_DISABLE_CPU_KERNELS") != "1"
 
-
-def exact_cpu_matmul() -> bool:
-    """LOCALSERVE_EXACT_CPU_MATMUL=1: the CPU kernels keep x in fp32 even for the weights
-    that llama.cpp (and by default localserve) multiply with int8-rounded activations."""
-    return os.environ.get("LOCALSERVE_EXACT_CPU_MATMUL") == "1"

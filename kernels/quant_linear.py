@@ -8,11 +8,15 @@ produces equal the format's own dequantization exactly (same fp32 operations).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .dispatch import use_cpu_kernels, use_triton
+
+if TYPE_CHECKING:
+    from .quant_linear_cpu import TiledWeight
 
 
 @dataclass(slots=True)
@@ -35,10 +39,11 @@ class QuantWeight:
     times integer ``mins``. That is the product ggml computes, kept factored so the
     weight stays at its file size instead of carrying an fp32 scale per 16 inputs.
 
-    ``int8_block`` (set for GGUF's quantized types): at decode sizes on the CPU, x is
-    rounded to int8 per block of this many inputs before the dot products, as llama.cpp's
-    CPU backend computes them: 32 (its Q8_0/Q8_1) for the simple types, 256 (Q8_K) for
-    the K-quants (``quantize_activations`` is that rounding in torch). 0: x stays fp32.
+    ``int8_block`` (set for GGUF's quantized types): on the CPU, x is rounded to int8 per
+    block of this many inputs before the dot products, as llama.cpp's CPU backend computes
+    them: 32 (its Q8_0/Q8_1) for the simple types, 256 (Q8_K) for the K-quants
+    (``quantize_activations`` is that rounding in torch; ``quant_linear_cpu.tile`` lays
+    such a weight out for the int8 kernel). 0: x stays fp32.
     """
 
     bits: int
@@ -187,8 +192,7 @@ def dequantize_in_input_order(weight: QuantWeight, dtype: torch.dtype = torch.fl
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for a QuantWeight: the Triton dequantize-GEMM on CUDA when
-    it supports the layout, the fused C++ kernel on CPU for a few rows (decode), else
-    the torch reference."""
+    it supports the layout, the fused C++ kernel (fp32 x) on CPU, else the torch reference."""
     if use_triton(x):
         from . import quant_linear_triton
 
@@ -197,16 +201,26 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     elif use_cpu_kernels(x):
         from . import quant_linear_cpu
 
-        if quant_linear_cpu.supports(x):
-            return quant_linear_cpu.quant_linear(x, weight, bias)
+        if quant_linear_cpu.supports(weight):
+            return quant_linear_cpu.float_linear(x, weight, bias)
     return quant_linear_ref(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for a dense or quantized weight."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight | TiledWeight, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for a dense, quantized or CPU-tiled weight."""
+    if isinstance(weight, torch.Tensor):
+        if weight.dtype == x.dtype == torch.float32 and use_cpu_kernels(x):
+            from . import quant_linear_cpu
+
+            if quant_linear_cpu.supports_dense(weight):  # batch invariant, unlike a BLAS GEMM
+                return quant_linear_cpu.dense_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     if isinstance(weight, QuantWeight):
         return quant_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    from .quant_linear_cpu import int8_linear
+
+    return int8_linear(x, weight, bias)
 
 
 def quantize_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:

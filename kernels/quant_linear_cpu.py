@@ -1,49 +1,212 @@
-"""CPU fast path for QuantWeight at decode sizes: a fused dequantize-GEMV in C++
-(``csrc/quant_gemv_cpu.cpp``, built with the other CPU kernels by ``cpu_extension``).
+"""Matmuls on the CPU through the compiled kernels (``cpu_library``).
 
-Weights with an ``int8_block`` (GGUF's quantized types) take the kernel's integer path:
-x rounded to int8 per block of inputs, as llama.cpp does, 1.4-2x as fast at one row as
-dequantizing to fp32. LOCALSERVE_EXACT_CPU_MATMUL=1 keeps x in fp32 for every weight."""
+Three paths, each batch-invariant (a row's result is the same bits at any row count):
+
+- ``TiledWeight``: GGUF's quantized types, re-laid at load for the int8 kernel
+  (``csrc/int8_matmul.cpp``). x is rounded to int8 per block as llama.cpp's CPU backend
+  rounds it, and the dot products are integer work (VNNI where the CPU has it).
+- ``float_matmul``: every other QuantWeight (GPTQ, AWQ, and all weights when the engine
+  asks for exact CPU matmuls): x stays fp32, codes are dequantized in registers.
+- ``dense_linear``: dense fp32 weights (HF checkpoints, an LM head or a router kept in
+  fp32), where a BLAS GEMM would sum a row differently at another batch size.
+"""
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass, field
+
 import torch
 
-from . import cpu_extension
-from .dispatch import exact_cpu_matmul
-from .quant_linear import QuantWeight
+from . import cpu_library
+from .quant_linear import QuantWeight, unpack_codes
 
-# Up to this many rows the fused kernel wins: the weight is read once and never
-# materialised. Beyond it, dequantize-then-GEMM amortises the dequantization better
-# (measured on a 5632x1024 Q8_0 weight, 2 AVX2 cores: 5.3 ms fused vs 8.1 ms at 32 rows,
-# 11.3 vs 10.4 at 64).
-MAX_ROWS = 32
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2, torch.int8: 3, torch.int16: 4}
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Every QuantWeight layout is handled; what decides is x: fp32 and decode-sized."""
-    rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return x.dtype == torch.float32 and 0 < rows <= MAX_ROWS and cpu_extension.available()
+@dataclass(slots=True, eq=False)
+class TiledWeight:
+    """A QuantWeight laid out for the int8 kernel (``ls_tiled_weight`` in csrc/api.h):
+    output rows in tiles of ``lanes``, codes as four-input words per lane, fp16 scales
+    per group and lane (times int8 sub-scales for two-level types), a constant zero point
+    or fp16 mins (times uint8 sub-mins). It replaces the QuantWeight it was made from."""
+
+    out_features: int
+    in_features: int
+    bits: int
+    group_size: int
+    groups_per_super: int
+    zero: int  # -1: the mins form
+    x_block: int
+    codes: torch.Tensor
+    super_scales: torch.Tensor
+    sub_scales: torch.Tensor | None
+    super_mins: torch.Tensor | None
+    sub_mins: torch.Tensor | None
+    desc: cpu_library.TiledWeightDesc = field(init=False)
+
+    def __post_init__(self) -> None:
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        self.desc = cpu_library.TiledWeightDesc(
+            self.out_features, self.in_features, self.bits, self.group_size, self.groups_per_super, self.zero,
+            self.x_block, address(self.codes), address(self.super_scales), address(self.sub_scales),
+            address(self.super_mins), address(self.sub_mins))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.codes, self.super_scales, self.sub_scales, self.super_mins, self.sub_mins)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` as dense ``[len(index), in_features]`` (an embedding lookup),
+        exactly the values the QuantWeight's ``dequantize`` gives."""
+        flat = index.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
+            raise IndexError(f"row index out of range for {self.out_features} rows")
+        out = torch.empty(flat.numel(), self.in_features)
+        _library().ls_tiled_dequantize_rows(ctypes.byref(self.desc), flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.view(*index.shape, self.in_features).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize_rows(torch.arange(self.out_features), dtype)
 
 
-def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if weight.perm is not None:
-        x = x.index_select(-1, weight.perm)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    offsets = weight.zeros if weight.zeros is not None else weight.mins
-    out = cpu_extension.extension().quant_gemv(  # type: ignore[union-attr]
-        flat, weight.codes, weight.scales, offsets, weight.mins is not None, weight.bits, weight.group_size,
-        weight.super_scales, weight.super_mins, weight.groups_per_super,
-        weight.int8_block if uses_int8_activations(weight) else 0)
+def for_int8_kernel(weight: QuantWeight) -> QuantWeight | TiledWeight:
+    """The weight tiled for the int8 kernel where it can take it (see ``can_tile``) and
+    the kernels are built; else the weight itself."""
+    return tile(weight) if cpu_library.available() and can_tile(weight) else weight
+
+
+def can_tile(weight: QuantWeight) -> bool:
+    """Whether ``tile`` takes this weight: an ``int8_block`` (GGUF's quantized types), a
+    constant zero point or the mins form, fp16-exact scales and mins, no act-order."""
+    block, group = weight.int8_block, weight.group_size
+    if not (block > 0 and block % 32 == 0 and weight.in_features % block == 0 and weight.perm is None
+            and (group == 16 or group % 32 == 0) and block % group == 0 and weight.codes.device.type == "cpu"):
+        return False
+    if weight.zeros is not None:
+        zeros = weight.zeros
+        if not (zeros.numel() and int(zeros.min()) == int(zeros.max()) and 0 <= int(zeros.min()) <= 255):
+            return False
+    two_level = weight.super_scales is not None
+    if two_level:
+        sub = weight.scales
+        if sub.dtype not in (torch.int8, torch.uint8) or (sub.dtype == torch.uint8 and int(sub.max()) > 127):
+            return False
+        if weight.mins is not None and weight.mins.dtype != torch.uint8:
+            return False
+    else:
+        if not _fp16_exact(weight.scales) or (weight.mins is not None and not _fp16_exact(weight.mins)):
+            return False
+    return True
+
+
+def tile(weight: QuantWeight, lanes: int | None = None) -> TiledWeight:
+    """``weight`` in the int8 kernel's layout (see ``can_tile``)."""
+    lanes = lanes or cpu_library.lanes()
+    n, k = weight.shape
+    tiles = -(-n // lanes)
+    codes = _pad_rows(unpack_codes(weight), tiles * lanes).view(tiles, lanes, -1)
+    if weight.bits <= 4:  # chunks of 8 inputs: byte i holds input i (low nibble) and i + 4 (high)
+        pairs = codes.view(tiles, lanes, k // 8, 2, 4)
+        words = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
+    else:  # chunks of 4 inputs, one per byte
+        words = codes.view(tiles, lanes, k // 4, 4)
+    two_level = weight.super_scales is not None
+    super_scales = weight.super_scales if two_level else weight.scales
+    mins = weight.mins
+    return TiledWeight(
+        out_features=n, in_features=k, bits=weight.bits, group_size=weight.group_size,
+        groups_per_super=weight.groups_per_super if two_level else 1,
+        zero=int(weight.zeros.flatten()[0]) if weight.zeros is not None else -1, x_block=weight.int8_block,
+        codes=words.permute(0, 2, 1, 3).contiguous(),
+        super_scales=_per_lane(super_scales.to(torch.float16), tiles, lanes),
+        sub_scales=_per_lane(weight.scales.to(torch.int8), tiles, lanes) if two_level else None,
+        super_mins=(None if mins is None else
+                    _per_lane((weight.super_mins if two_level else mins).to(torch.float16), tiles, lanes)),
+        sub_mins=_per_lane(mins, tiles, lanes) if mins is not None and two_level else None)
+
+
+def int8_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.empty(flat.shape[0], weight.out_features)
+    if flat.shape[0]:
+        _library().ls_int8_matmul(ctypes.byref(weight.desc), flat.data_ptr(), flat.shape[0], out.data_ptr())
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], weight.out_features)
+    return out.view(*x.shape[:-1], weight.out_features).to(x.dtype)
 
 
-def uses_int8_activations(weight: QuantWeight) -> bool:
-    """Whether x is rounded to int8 for this weight: it has an ``int8_block`` (a multiple
-    of 32 that divides K), groups of 16 inputs or of whole 32-input blocks, and no
-    LOCALSERVE_EXACT_CPU_MATMUL=1."""
-    block, group_size = weight.int8_block, weight.group_size
-    return (block > 0 and block % 32 == 0 and weight.in_features % block == 0
-            and (group_size == 16 or group_size % 32 == 0) and weight.perm is None and not exact_cpu_matmul())
+def float_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.perm is not None:
+        x = x.index_select(-1, weight.perm)
+    flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = torch.empty(flat.shape[0], weight.out_features)
+    if flat.shape[0]:
+        desc = cpu_library.QuantWeightDesc(
+            weight.out_features, weight.in_features, weight.bits, weight.group_size, weight.groups_per_super,
+            int(weight.mins is not None), weight.codes.data_ptr(), _factors(weight.scales),
+            _factors(weight.zeros if weight.zeros is not None else weight.mins), _factors(weight.super_scales),
+            _factors(weight.super_mins))
+        _library().ls_float_matmul(ctypes.byref(desc), flat.data_ptr(), flat.shape[0], out.data_ptr())
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.out_features).to(x.dtype)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a dense fp32 weight, each row summed the same way at
+    any row count (``csrc/dense_matmul.cpp``)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(flat.shape[0], weight.shape[0])
+    if flat.shape[0]:
+        _library().ls_dense_matmul(weight.data_ptr(), weight.shape[0], weight.shape[1], flat.data_ptr(),
+                                   flat.shape[0], out.data_ptr())
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def supports_dense(weight: torch.Tensor) -> bool:
+    return cpu_library.available() and weight.dim() == 2 and weight.is_contiguous()
+
+
+def supports(weight: QuantWeight) -> bool:
+    """Every QuantWeight layout the float kernel reads (contiguous, CPU tensors)."""
+    return cpu_library.available() and all(t.is_contiguous() for t in weight._tensors().values())
+
+
+def _library() -> ctypes.CDLL:
+    lib = cpu_library.library()
+    assert lib is not None, "the CPU kernels are not available"
+    return lib
+
+
+def _factors(t: torch.Tensor | None) -> cpu_library.Factors:
+    if t is None:
+        return cpu_library.Factors(None, 0, 0)
+    assert t.dim() == 2 and t.is_contiguous() and t.dtype in _DTYPES
+    return cpu_library.Factors(t.data_ptr(), _DTYPES[t.dtype], t.shape[1])
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float16 or (t.is_floating_point() and torch.equal(t.to(torch.float16).to(t.dtype), t))
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t.contiguous()
+    out = t.new_zeros(rows, *t.shape[1:])
+    out[: t.shape[0]] = t
+    return out
+
+
+def _per_lane(t: torch.Tensor, tiles: int, lanes: int) -> torch.Tensor:
+    """``[n, width]`` factors as ``[tiles, width, lanes]``."""
+    return _pad_rows(t, tiles * lanes).view(tiles, lanes, -1).transpose(1, 2).contiguous()

@@ -20,7 +20,8 @@ from .errors import LocalserveError
 if TYPE_CHECKING:
     from .run_backends import Backend
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+             for f in dataclasses.fields(EngineConfig)}
 
 
 class ByteSize(click.ParamType):
@@ -101,6 +102,9 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
         option("--enable-prefix-caching/--no-enable-prefix-caching", "Share the KV of equal prompt prefixes."),
         option("--cpu-moe", "Keep the MoE experts of the first N layers (bare flag: all) in host memory and run "
                "them on the CPU.", type=LayerCount(), is_flag=False, flag_value="all"),
+        option("--threads", "CPU threads for the model's kernels; default: the physical cores.", type=int),
+        option("--exact-cpu-matmul/--no-exact-cpu-matmul", "Keep activations in fp32 in every CPU matmul instead "
+               "of rounding them to int8 for GGUF's types as llama.cpp does (slower)."),
     ]
     for add in reversed(options):
         command = add(command)  # type: ignore[assignment]

@@ -24,11 +24,13 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 def build(
     spec: ModelSpec, weights: NamedWeights, device: torch.device, dtype: torch.dtype, max_position: int,
-    cpu_moe_layers: int = 0,
+    cpu_moe_layers: int = 0, exact_cpu_matmul: bool = False,
 ) -> LlamaForCausalLM:
     """Lay out the model for ``spec`` on ``device`` and fill it from named weights
     (dense tensors, or QuantWeights that stay quantized). The experts of MoE layers
-    below ``cpu_moe_layers`` stay in host memory and run on the CPU."""
+    below ``cpu_moe_layers`` stay in host memory and run on the CPU. On the CPU, GGUF's
+    quantized weights are tiled for the int8 kernel unless ``exact_cpu_matmul`` keeps
+    every matmul in fp32."""
     if spec.architecture not in SUPPORTED:
         raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):
@@ -39,7 +41,7 @@ def build(
     model.dtype = dtype
     load_weights(model, weights)
     for linear in model.linears():
-        linear.finalize(device, dtype)
+        linear.finalize(device, dtype, int8_cpu=not exact_cpu_matmul)
     for layer, experts in model.experts():
         experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype)
     return model.eval()

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from localserve.kernels.quant_linear import QuantWeight, concat_rows, dequantize, linear
+from localserve.kernels.quant_linear_cpu import TiledWeight, for_int8_kernel
 
-Weight = torch.Tensor | QuantWeight
+Weight = torch.Tensor | QuantWeight | TiledWeight
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +51,9 @@ class Linear(nn.Module):
     def expected_shape(self, part: int, is_bias: bool) -> tuple[int, ...]:
         return (self.part_sizes[part],) if is_bias else (self.part_sizes[part], self.in_features)
 
-    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+    def finalize(self, device: torch.device, dtype: torch.dtype, int8_cpu: bool = True) -> None:
+        """Join the parts and move them to ``device``; on the CPU, with ``int8_cpu``, the
+        quantized weights the int8 kernel takes are tiled for it (replacing them)."""
         parts = self.parts
         if all(isinstance(p, torch.Tensor) for p in parts):
             self.weights = [torch.cat(parts).to(device, dtype)]  # type: ignore[arg-type]
@@ -58,6 +61,8 @@ class Linear(nn.Module):
             self.weights = [concat_rows(parts).to(device)]  # type: ignore[arg-type]
         else:
             self.weights = [p.to(device) if isinstance(p, QuantWeight) else p.to(device, dtype) for p in parts]  # type: ignore[union-attr]
+        if device.type == "cpu" and int8_cpu:
+            self.weights = [for_int8_kernel(w) if isinstance(w, QuantWeight) else w for w in self.weights]
         if self.bias_parts is not None:
             self.bias = torch.cat(self.bias_parts).to(device, dtype)  # type: ignore[arg-type]
         self.parts, self.bias_parts = [], None
@@ -71,7 +76,7 @@ class Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         tensors = [*self.weights, *([self.bias] if self.bias is not None else [])]
-        return sum(t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in tensors)
 
 
 class MLP(nn.Module):
@@ -96,7 +101,9 @@ class Embedding(Linear):
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         weight = self.weights[0]
+        # Dequantize only the rows asked for: the table stays quantized.
         if isinstance(weight, QuantWeight):
-            # Dequantize only the rows asked for: the table stays quantized.
             return dequantize(weight.rows(ids), dtype)
+        if isinstance(weight, TiledWeight):
+            return weight.dequantize_rows(ids, dtype)
         return F.embedding(ids, weight)

@@ -3,7 +3,6 @@ our model on them directly (all-position logits) for comparison with transformer
 
 from __future__ import annotations
 
-import contextlib
 import os
 import zlib
 from collections.abc import Callable
@@ -146,16 +145,6 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int) -> li
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens)
     return out[0, len(ids):].tolist()
-
-
-@contextlib.contextmanager
-def exact_cpu_matmul():  # type: ignore[no-untyped-def]
-    """fp32 activations for every quantized weight (LOCALSERVE_EXACT_CPU_MATMUL=1), as a
-    comparison with a dequantized fp32 model needs: by default GGUF's 4-bit weights meet
-    x rounded to int8 at decode sizes, as in llama.cpp."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LOCALSERVE_EXACT_CPU_MATMUL", "1")
-        yield
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:

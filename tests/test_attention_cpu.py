@@ -1,19 +1,20 @@
-"""The C++ CPU paged decode attention (``kernels/attention_cpu.py``) against the torch
-reference, on batches mixing prefill chunks and decodes whose caches hold NaN wherever no
-sequence owns a slot."""
+"""The C++ CPU paged attention (``kernels/attention_cpu.py``) against the torch reference,
+on batches mixing prefill chunks and decodes whose caches hold NaN wherever no sequence
+owns a slot; and its invariance: a row's result does not depend on the rest of the batch
+or on how its prompt was chunked."""
 
 from __future__ import annotations
 
-import shutil
+import itertools
 
 import pytest
 import torch
 
-from localserve.kernels import AttentionMetadata, KVCache, attention_cpu, attention_ref, cpu_extension, paged_attention
+from localserve.kernels import AttentionMetadata, KVCache, attention_cpu, attention_ref, cpu_library, paged_attention
 
 from .attention_batches import MIXED, Batch, assert_close
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels were not built")
 
 DECODES = [(1, 1), (1, 7), (1, 16), (1, 17), (1, 64), (1, 200)]  # one token each, across block ends
 
@@ -23,7 +24,6 @@ DECODES = [(1, 1), (1, 7), (1, 16), (1, 17), (1, 64), (1, 200)]  # one token eac
 @pytest.mark.parametrize(("head_dim", "block_size"), [(16, 4), (64, 16), (80, 16), (128, 32)])
 def test_equals_reference(shape: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
                           block_size: int) -> None:
-    assert cpu_extension.available()
     batch = Batch(shape, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
     batch.write_with_reference()
     expected = batch.reference()
@@ -41,19 +41,45 @@ def test_8bit_caches_take_the_reference(cache_dtype: torch.dtype) -> None:
 
 
 def test_the_dispatcher_picks_it_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    batch = Batch(DECODES, num_heads=4, num_kv_heads=2, head_dim=16)
+    batch = Batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16)
     batch.write_with_reference()
     calls = []
-    kernel = cpu_extension.extension().paged_decode_attention  # type: ignore[union-attr]
-    monkeypatch.setattr(attention_cpu.cpu_extension, "extension",
-                        lambda: type("Spy", (), {"paged_decode_attention": staticmethod(
-                            lambda *args: calls.append(1) or kernel(*args))}))
+    kernel = attention_cpu.paged_attention
+    monkeypatch.setattr(attention_cpu, "paged_attention", lambda *args: calls.append(1) or kernel(*args))
     cache = KVCache(batch.k_cache, batch.v_cache)
     assert_close(paged_attention(batch.query, cache, batch.meta, batch.scale), batch.reference())
     assert calls == [1]
     monkeypatch.setenv("LOCALSERVE_DISABLE_CPU_KERNELS", "1")
     paged_attention(batch.query, cache, batch.meta, batch.scale)
     assert calls == [1]
+
+
+def test_a_row_is_the_same_however_its_prompt_was_chunked() -> None:
+    """A 40-token prompt's rows computed in one step, in chunks of 7 (other sequences
+    beside them), and each alone as a decode at its position: the same bits."""
+    whole = Batch([(40, 40)], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    whole.write_with_reference()
+    expected = attention_cpu.paged_attention(whole.query, whole.k_cache, whole.v_cache, whole.meta, whole.scale)
+    meta = whole.meta
+
+    def rows(start: int, stop: int, others: int) -> torch.Tensor:
+        """Rows start..stop of the prompt as one step's chunk, after ``others`` one-row
+        sequences that reuse the same cache blocks."""
+        count = stop - start
+        query = torch.cat([whole.query[:1].expand(others, -1, -1), whole.query[start:stop]])
+        tables = meta.block_tables.expand(others + 1, -1).contiguous()
+        lens = [3 + i for i in range(others)] + [stop]
+        query_lens = [1] * others + [count]
+        starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+        step = AttentionMetadata(meta.slot_mapping, starts, torch.tensor(lens, dtype=torch.int32), tables,
+                                 max(query_lens), max(lens), query_lens, lens)
+        return attention_cpu.paged_attention(query.contiguous(), whole.k_cache, whole.v_cache, step,
+                                             whole.scale)[others:]
+
+    chunked = torch.cat([rows(start, min(start + 7, 40), others=start % 3) for start in range(0, 40, 7)])
+    assert torch.equal(chunked, expected)
+    decodes = torch.cat([rows(p, p + 1, others=2) for p in range(40)])
+    assert torch.equal(decodes, expected)
 
 
 def test_out_of_range_block_ids_are_refused() -> None:

@@ -8,7 +8,7 @@ import torch
 
 from localserve import LLM, Engine, EngineConfig, SamplingParams
 
-from .conftest import exact_cpu_matmul, hf_logits, random_prompt, relative_error
+from .conftest import hf_logits, random_prompt, relative_error
 from .gguf_writers import STORIES_GGUF, dequantized_reference, tiny_llama, write_gguf
 from .test_models import all_logits
 
@@ -27,10 +27,9 @@ def test_gguf_py_types_match_dequantized_reference(tmp_path, model, qtype) -> No
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     write_gguf(path, model, qtype)
     reference = dequantized_reference(path, model)
-    engine = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu", dtype=torch.float32)
+    engine = Engine(path, EngineConfig(num_kv_blocks=32, exact_cpu_matmul=True), device="cpu", dtype=torch.float32)
     prompts = [random_prompt(n, seed=n) for n in (1, 37)]
-    with exact_cpu_matmul():
-        logits = all_logits(engine, prompts)
+    logits = all_logits(engine, prompts)
     for prompt, ours in zip(prompts, logits):
         assert relative_error(ours, hf_logits(reference, prompt)) <= 1e-4
 
@@ -107,11 +106,11 @@ def llama_cpp_quantize(source, target, ftype_name: str) -> None:
 def compare_with_oracles(path, model) -> tuple[float, float]:
     engine = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu", dtype=torch.float32)
     prompt = [1, *random_prompt(47, seed=11)]
-    # One token per step: the decode path, where GGUF's 4-bit weights meet int8-rounded x
-    # as in llama.cpp.
-    ours = all_logits(engine, [prompt], chunks=[1] * len(prompt))[0]
-    with exact_cpu_matmul():
-        exact = all_logits(engine, [prompt])[0]
+    # GGUF's quantized weights meet int8-rounded x, as in llama.cpp.
+    ours = all_logits(engine, [prompt])[0]
+    # fp32 activations in every matmul, as the dequantized fp32 model computes them.
+    exact_engine = Engine(path, EngineConfig(num_kv_blocks=32, exact_cpu_matmul=True), device="cpu", dtype=torch.float32)
+    exact = all_logits(exact_engine, [prompt])[0]
     versus_dequantized = relative_error(exact, hf_logits(dequantized_reference(path, model), prompt))
     versus_llama_cpp = relative_error(ours, llama_cpp_logits(path, prompt))
     print(f"\n{path.name}: vs dequantized {versus_dequantized:.1e}, vs llama.cpp {versus_llama_cpp:.1e}")

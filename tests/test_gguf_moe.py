@@ -17,7 +17,7 @@ import torch
 from localserve import Engine, EngineConfig
 from localserve.models.moe import SparseMoE
 
-from .conftest import exact_cpu_matmul, hf_logits, random_prompt, relative_error
+from .conftest import hf_logits, random_prompt, relative_error
 from .gguf_writers import dequantized_reference, tiny_moe, write_gguf
 from .test_gguf_models import llama_cpp_logits, llama_cpp_quantize
 from .test_models import all_logits
@@ -52,11 +52,11 @@ def logits_and_router_margins(engine: Engine, prompt: list[int]) -> tuple[torch.
 
 
 def check_against_oracles(path, model) -> None:
-    engine = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu", dtype=torch.float32)
     prompt = [1, *random_prompt(47, seed=11)]
-    ours, margins = logits_and_router_margins(engine, prompt)
-    with exact_cpu_matmul():
-        exact, _ = logits_and_router_margins(engine, prompt)
+    ours, margins = logits_and_router_margins(Engine(path, EngineConfig(num_kv_blocks=32), device="cpu"), prompt)
+    # fp32 activations in every matmul, as the dequantized fp32 model computes them.
+    exact_engine = Engine(path, EngineConfig(num_kv_blocks=32, exact_cpu_matmul=True), device="cpu")
+    exact, _ = logits_and_router_margins(exact_engine, prompt)
     versus_dequantized = relative_error(exact, hf_logits(dequantized_reference(path, model), prompt))
     clear = margins >= NEAR_TIE
     versus_llama_cpp = relative_error(ours[clear], llama_cpp_logits(path, prompt)[clear])
@@ -113,7 +113,9 @@ def test_planned_weights_equal_what_the_engine_holds(tmp_path, moe_model) -> Non
 
     kind, model = moe_model
     path = q4_k_m_file(tmp_path, kind, model)
-    engine = Engine(path, EngineConfig(num_kv_blocks=4), device="cpu", dtype=torch.float32)
+    # The plan is for a GPU, where weights keep the QuantWeight layout; the CPU's int8
+    # kernel would re-lay GGUF's weights in tiles (exact_cpu_matmul keeps them as they are).
+    engine = Engine(path, EngineConfig(num_kv_blocks=4, exact_cpu_matmul=True), device="cpu", dtype=torch.float32)
     model_ = engine.model
     held = (sum(p.numel() * p.element_size() for p in model_.parameters())
             + sum(linear.nbytes for linear in model_.linears()) + sum(e.nbytes for _, e in model_.experts()))

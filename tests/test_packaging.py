@@ -11,6 +11,7 @@ from __future__ import annotations
 import configparser
 import contextlib
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -28,6 +29,8 @@ from .conftest import STORIES_HF
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+# The CPU kernel libraries setup.py builds on this machine's architecture.
+BUILT_VARIANTS = ["avx512_vnni", "avx2"] if platform.machine().lower() in ("x86_64", "amd64") else ["generic"]
 TORCH = "torch==2.13.0"
 PROMPT = "Once upon a time"
 # The files.txt entries: (kind, mode, source, destination).
@@ -85,13 +88,14 @@ def hf_continuation() -> str:
 
 def test_wheel_has_the_mapped_packages_data_and_entry_point(dists: tuple[Path, Path]) -> None:
     wheel = dists[1]
-    assert wheel.name == f"localserve-{VERSION}-py3-none-any.whl"
+    # The CPU kernels are compiled into it: a platform wheel, one library per instruction set.
+    assert wheel.name.startswith(f"localserve-{VERSION}-") and not wheel.name.endswith("-none-any.whl")
     with zipfile.ZipFile(wheel) as whl:
         names = set(whl.namelist())
         entry_points = configparser.ConfigParser()
         entry_points.read_string(whl.read(f"localserve-{VERSION}.dist-info/entry_points.txt").decode())
-    cpp = {f"localserve/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").glob("*.cpp")}
-    assert cpp and cpp <= names
+    assert {f"localserve/kernels/_cpu_{name}.so" for name in BUILT_VARIANTS} <= names
+    assert not [name for name in names if "/csrc/" in name]  # sources stay in the sdist
     assert {f"localserve/models/{p.name}" for p in (ROOT / "models").glob("*.py")} <= names
     assert {f"localserve/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")} <= names
     assert entry_points["console_scripts"]["localserve"] == "localserve.cli:main"
@@ -103,7 +107,7 @@ def test_sdist_carries_what_builds_the_packages(dists: tuple[Path, Path]) -> Non
     for script in ("build-deb.sh", "install.sh", "hooks/postinst", "hooks/prerm", "hooks/postrm"):
         assert members[f"packaging/{script}"].mode & 0o111, f"packaging/{script} is not executable"
     assert {"packaging/lib.sh", "packaging/files.txt", "tests/conftest.py", "scripts/test.sh",
-            "kernels/csrc/quant_gemv_cpu.cpp"} <= members.keys()
+            "setup.py", "kernels/csrc/int8_matmul.cpp", "kernels/csrc/api.h", "kernels/csrc/simd.h"} <= members.keys()
     assert {source for kind, _, source, _ in MANIFEST if kind != "link"} <= members.keys()
     assert not [name for name in members if "__pycache__" in name]
 
@@ -128,7 +132,14 @@ def test_wheel_runs_in_a_fresh_venv(dists: tuple[Path, Path], hf_continuation: s
     found = run([str(venv / "bin" / "python"), "-c", "import localserve; print(localserve.__file__)"], cwd=tmp_path)
     package = Path(found.stdout.strip()).parent
     assert package.is_relative_to(venv), f"localserve imported from {package}, not the fresh venv"
-    assert (package / "kernels" / "csrc" / "quant_gemv_cpu.cpp").is_file()
+    assert all((package / "kernels" / f"_cpu_{name}.so").is_file() for name in BUILT_VARIANTS)
+    variant = run([str(venv / "bin" / "python"), "-c", "from localserve.kernels import cpu_library; "
+                   "print(cpu_library.variant())"], cwd=tmp_path)
+    assert variant.stdout.strip() in BUILT_VARIANTS  # loaded without compiling anything
+    # Each library is its own variant's build (they compile the same sources).
+    names = run([str(venv / "bin" / "python"), "-c", "from localserve.kernels import cpu_library as c; "
+                 f"print(*[c.load(v).ls_variant().decode() for v in {BUILT_VARIANTS}])"], cwd=tmp_path)
+    assert names.stdout.split() == BUILT_VARIANTS
 
     env = offline_env(tmp_path / "home")
     version = run([str(venv / "bin" / "localserve"), "--version"], cwd=tmp_path, env=env)

@@ -1,18 +1,21 @@
-"""The C++ fused dequantize-GEMV (CPU decode path) against the torch reference."""
+"""The compiled CPU matmuls (``kernels/quant_linear_cpu.py``) against the torch reference:
+the int8 kernel over tiled GGUF-style weights, the fp32 kernel over every QuantWeight
+layout, and batch invariance (a row's result is the same bits at any row count)."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
-import shutil
 
 import pytest
 import torch
 
-from localserve.kernels import cpu_extension, quant_linear_cpu
-from localserve.kernels.quant_linear import (QuantWeight, dequantize, pack_codes, quant_linear, quant_linear_ref,
-                                             quantize_activations)
+from localserve.kernels import cpu_library, quant_linear_cpu
+from localserve.kernels.quant_linear import (QuantWeight, dequantize, linear, pack_codes, quant_linear,
+                                             quant_linear_ref, quantize_activations)
+from localserve.kernels.quant_linear_cpu import TiledWeight, can_tile, float_linear, int8_linear, tile
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels were not built")
 
 
 def make_weight(bits: int, group_size: int, form: str, scale_dtype: torch.dtype, zero_dtype: torch.dtype,
@@ -44,60 +47,112 @@ def make_weight(bits: int, group_size: int, form: str, scale_dtype: torch.dtype,
     return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, perm=perm, **extra)
 
 
+def make_gguf_like(bits: int, group_size: int, form: str, x_block: int, n: int = 40, k: int = 512) -> QuantWeight:
+    """A weight as the GGUF reader makes them: one zero point for the whole tensor (or
+    mins), fp16 scales, two-level (int sub-scales) when x_block is 256 as for K-quants."""
+    generator = torch.Generator().manual_seed(bits * 1000 + group_size * 10 + x_block)
+    groups = k // group_size
+    two_level = x_block == 256
+    extra: dict = {}
+    if two_level:
+        per_super = x_block // group_size
+        scales = torch.randint(-32, 32, (n, groups), generator=generator).to(torch.int8)
+        if form == "mins":
+            scales = scales.abs().to(torch.uint8)  # Q4_K/Q5_K/Q2_K: unsigned 6-bit sub-scales
+            extra["super_mins"] = (torch.rand(n, groups // per_super, generator=generator) * 0.01).half()
+            extra["mins"] = torch.randint(0, 64, (n, groups), generator=generator).to(torch.uint8)
+        extra["super_scales"] = (torch.rand(n, groups // per_super, generator=generator) * 0.01).half()
+        extra["groups_per_super"] = per_super
+    else:
+        scales = (torch.rand(n, groups, generator=generator) * 0.1).half()
+        if form == "mins":
+            extra["mins"] = torch.randn(n, groups, generator=generator).half().float()  # -m of Q4_1/Q5_1
+    if form == "zeros":
+        extra["zeros"] = torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=generator)
+    return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, int8_block=x_block, **extra)
+
+
 CASES = [
     case
     for case in itertools.product([2, 4, 5, 8], [16, 32, 128], ["zeros", "mins"], [torch.float16, torch.float32, torch.int8],
                                   [torch.uint8, torch.int16], [False, True])
     if not (case[2] == "mins" and case[4] == torch.int16)  # the zero dtype does not apply to mins
 ]
+# Nibbles (2, 4 bits), bytes (5, 6) and full bytes (8); groups of 16 (Q2_K, Q3_K, Q6_K) and
+# 32; single-level scales with 32-input x blocks, two-level with 256 (the K-quants).
+GGUF_CASES = list(itertools.product([2, 4, 5, 6, 8], [(16, 256), (32, 256), (32, 32)], ["zeros", "mins"]))
+ROW_COUNTS = (1, 2, 3, 5, 16, 64)
 
 
-def test_builds() -> None:
-    assert cpu_extension.available(), "the C++ extension did not build; see the warning in the log"
+def test_the_best_library_for_this_cpu_is_loaded() -> None:
+    built = {name for name in cpu_library.VARIANTS if cpu_library.library_path(name).is_file()}
+    assert cpu_library.variant() == cpu_library.choose_variant(cpu_library.cpu_flags(), built)
+
+
+def test_variant_choice_follows_the_cpu_flags() -> None:
+    every = set(cpu_library.VARIANTS)
+    avx512 = set(cpu_library.VARIANTS["avx512_vnni"])
+    assert cpu_library.choose_variant(avx512, every) == "avx512_vnni"
+    assert cpu_library.choose_variant(avx512 - {"avx512_vnni"}, every) == "avx2"  # AVX-512 without VNNI
+    assert cpu_library.choose_variant({"avx2", "fma", "f16c"}, every) == "avx2"
+    assert cpu_library.choose_variant({"sse4_2"}, every) == "generic"
+    assert cpu_library.choose_variant({"sse4_2"}, {"avx512_vnni", "avx2"}) is None  # x86 without AVX2: references
 
 
 @pytest.mark.parametrize("bits,group_size,form,scale_dtype,zero_dtype,permuted", CASES)
-def test_fused_equals_reference(bits, group_size, form, scale_dtype, zero_dtype, permuted) -> None:
+def test_float_kernel_equals_reference_and_is_batch_invariant(bits, group_size, form, scale_dtype, zero_dtype,
+                                                              permuted) -> None:
     weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted)
     bias = torch.randn(weight.out_features)
-    for rows in (1, 3, 13, quant_linear_cpu.MAX_ROWS):  # 13: a block of 8, one of 4, one row
-        x = torch.randn(rows, weight.in_features)
-        assert quant_linear_cpu.supports(x)
-        expected = quant_linear_ref(x, weight, bias)
-        ours = quant_linear_cpu.quant_linear(x, weight, bias)
-        # Same dequantized values; only the order (and fusing) of the sums differs from the GEMM's.
-        assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    x = torch.randn(max(ROW_COUNTS), weight.in_features)
+    expected = quant_linear_ref(x, weight, bias)
+    ours = float_linear(x, weight, bias)
+    # Same dequantized values; only the order (and fusing) of the sums differs from the GEMM's.
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    for rows in ROW_COUNTS:
+        assert torch.equal(float_linear(x[:rows], weight, bias), ours[:rows])
 
 
-INT8_CASES = [case for case in CASES if not case[5]]  # every width (nibbles, bytes, 8-bit bytes), 16-input groups too
+@pytest.mark.parametrize("bits,blocks,form", GGUF_CASES)
+def test_int8_kernel_equals_reference_on_rounded_x(bits: int, blocks: tuple[int, int], form: str) -> None:
+    """The integer path computes the float path on x rounded per block, and the tiled
+    weight holds exactly the values of the QuantWeight it came from."""
+    group_size, x_block = blocks
+    weight = make_gguf_like(bits, group_size, form, x_block)
+    assert can_tile(weight)
+    tiled = tile(weight)
+    assert torch.equal(tiled.dequantize(), dequantize(weight))
+    index = torch.tensor([[39, 0], [17, 17]])
+    assert torch.equal(tiled.dequantize_rows(index), dequantize(weight)[index])
+    x = torch.randn(6, weight.in_features)
+    x[0, :x_block] = 0  # an all-zero block
+    x[-1, x_block:2 * x_block] *= 1000  # blocks of very different ranges
+    ours = int8_linear(x, tiled)
+    rounded = quantize_activations(x, x_block)
+    expected = quant_linear_ref(rounded, weight)
+    # The sums in another order, zero points met once per group: errors scale with the
+    # terms' magnitudes rather than the result's.
+    magnitude = rounded.abs() @ dequantize(weight).abs().T
+    assert ((ours - expected).abs() <= 1e-5 * magnitude).all()
+    # Not the unrounded x, nor x rounded per 32 when the block is larger: the path is taken, with its block.
+    assert not torch.allclose(ours, quant_linear_ref(x, weight), rtol=1e-6, atol=0)
+    if x_block != 32:
+        assert not torch.allclose(ours, quant_linear_ref(quantize_activations(x, 32), weight), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("x_block", [32, 256])  # llama.cpp's Q8_0/Q8_1 and Q8_K
-@pytest.mark.parametrize("bits,group_size,form,scale_dtype,zero_dtype,permuted", INT8_CASES)
-def test_int8_activations_equal_reference_on_rounded_x(bits, group_size, form, scale_dtype, zero_dtype, permuted,
-                                                       x_block) -> None:
-    """The integer path computes exactly the float path on x rounded per block, for codes
-    stored as nibbles (2, 4 bits), bytes (5) and full bytes (8: shifted to signed)."""
-    weight = make_weight(bits, group_size, form, scale_dtype, zero_dtype, permuted, k=512)
-    weight.int8_block = x_block
-    assert quant_linear_cpu.uses_int8_activations(weight)
-    for rows in (1, 3, 6, quant_linear_cpu.MAX_ROWS):  # 6: a block of 4 and two single rows
-        x = torch.randn(rows, weight.in_features)
-        x[0, :x_block] = 0  # an all-zero block
-        x[-1, x_block:2 * x_block] *= 1000  # blocks of very different ranges
-        ours = quant_linear_cpu.quant_linear(x, weight)
-        rounded = quantize_activations(x, x_block)
-        expected = quant_linear_ref(rounded, weight)
-        # The sums in another order, and zero points (up to 300 here) met once per group
-        # instead of per input: rounding errors scale with the terms' magnitudes, which
-        # a large zero point makes far larger than the result.
-        magnitude = rounded.abs() @ dequantize(weight).abs().T
-        assert ((ours - expected).abs() <= 1e-5 * magnitude).all()
-        # And not the same as the unrounded x, nor as x rounded per 32 when the block is
-        # larger: the path is taken, with its block size.
-        assert not torch.allclose(ours, quant_linear_ref(x, weight), rtol=1e-6, atol=0)
-        if x_block != 32:
-            assert not torch.allclose(ours, quant_linear_ref(quantize_activations(x, 32), weight), rtol=1e-6, atol=0)
+@pytest.mark.parametrize("bits,blocks,form", GGUF_CASES)
+def test_int8_kernel_is_batch_invariant(bits: int, blocks: tuple[int, int], form: str) -> None:
+    """Each row's result is the same bits alone and among 1..63 other rows (every tile
+    shape: blocks of four rows, two, one; tile pairs and a last odd tile)."""
+    weight = make_gguf_like(bits, blocks[0], form, blocks[1])
+    tiled = tile(weight)
+    x = torch.randn(max(ROW_COUNTS), weight.in_features)
+    together = int8_linear(x, tiled)
+    alone = torch.cat([int8_linear(x[i : i + 1], tiled) for i in range(x.shape[0])])
+    assert torch.equal(together, alone)
+    for rows in ROW_COUNTS:
+        assert torch.equal(int8_linear(x[-rows:], tiled), together[-rows:])
 
 
 def test_quantize_activations_rounds_to_127_levels_per_block() -> None:
@@ -112,44 +167,67 @@ def test_quantize_activations_rounds_to_127_levels_per_block() -> None:
     assert (quantize_activations(torch.zeros(2, 32)) == 0).all()
 
 
-def test_exact_cpu_matmul_keeps_fp32_activations(monkeypatch) -> None:
-    weight = make_weight(4, 32, "zeros", torch.float16, torch.uint8, permuted=False, k=128)
-    weight.int8_block = 32
-    monkeypatch.setenv("LOCALSERVE_EXACT_CPU_MATMUL", "1")
-    assert not quant_linear_cpu.uses_int8_activations(weight)
-    x = torch.randn(2, 128)
-    expected = quant_linear_ref(x, weight)
-    ours = quant_linear_cpu.quant_linear(x, weight)
-    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+def test_other_built_variants_compute_the_same_sums() -> None:
+    """Every library built here (AVX2 on an AVX-512 host too) against the reference,
+    through its own tile layout; each is batch invariant on its own."""
+    flags = cpu_library.cpu_flags()
+    runnable = [name for name, needs in cpu_library.VARIANTS.items()
+                if cpu_library.library_path(name).is_file() and set(needs) <= flags]
+    assert cpu_library.variant() in runnable
+    for name in runnable:
+        lib = cpu_library.load(name)
+        for bits, blocks, form in [(4, (32, 256), "mins"), (8, (32, 32), "zeros"), (6, (16, 256), "zeros")]:
+            weight = make_gguf_like(bits, blocks[0], form, blocks[1])
+            tiled = tile(weight, lanes=lib.ls_lanes())
+            x = torch.randn(7, weight.in_features)
+            out = torch.empty(7, weight.out_features)
+            lib.ls_int8_matmul(ctypes.byref(tiled.desc), x.data_ptr(), 7, out.data_ptr())
+            rounded = quantize_activations(x, blocks[1])
+            magnitude = rounded.abs() @ dequantize(weight).abs().T
+            assert ((out - quant_linear_ref(rounded, weight)).abs() <= 1e-5 * magnitude).all(), name
+            one = torch.empty(1, weight.out_features)
+            lib.ls_int8_matmul(ctypes.byref(tiled.desc), x[3:4].contiguous().data_ptr(), 1, one.data_ptr())
+            assert torch.equal(one, out[3:4]), name
 
 
-def test_dispatch_uses_fused_kernel_only_for_few_rows(monkeypatch) -> None:
+def test_only_gguf_style_weights_are_tiled() -> None:
+    assert can_tile(make_gguf_like(4, 32, "zeros", 32))
+    per_group_zeros = make_weight(4, 32, "zeros", torch.float16, torch.uint8, permuted=False)
+    per_group_zeros.int8_block = 32
+    assert not can_tile(per_group_zeros)  # GPTQ/AWQ zero points differ per group
+    permuted = make_gguf_like(4, 32, "zeros", 32)
+    permuted.perm = torch.randperm(permuted.in_features)
+    assert not can_tile(permuted)
+    fp32_scales = make_gguf_like(4, 32, "zeros", 32)
+    fp32_scales.scales = fp32_scales.scales.float() + 1e-7
+    assert not can_tile(fp32_scales)  # not fp16-exact
+    no_block = make_gguf_like(4, 32, "zeros", 32)
+    no_block.int8_block = 0
+    assert not can_tile(no_block)
+
+
+def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = make_weight(4, 32, "zeros", torch.float16, torch.uint8, permuted=False)
     calls = []
-    original = quant_linear_cpu.quant_linear
-    monkeypatch.setattr(quant_linear_cpu, "quant_linear", lambda *a: calls.append(a) or original(*a))
-    quant_linear(torch.randn(2, weight.in_features), weight)
-    quant_linear(torch.randn(quant_linear_cpu.MAX_ROWS + 1, weight.in_features), weight)
+    monkeypatch.setattr(quant_linear_cpu, "float_linear", lambda *a: calls.append(a) or float_linear(*a))
+    x = torch.randn(2, 5, weight.in_features)  # leading dimensions are kept, at any row count
+    assert quant_linear(x, weight).shape == (2, 5, weight.out_features) and len(calls) == 1
+    tiled = tile(make_gguf_like(4, 32, "zeros", 32))
+    assert isinstance(tiled, TiledWeight)
+    assert torch.equal(linear(torch.ones(3, 512), tiled), int8_linear(torch.ones(3, 512), tiled))
+    monkeypatch.setenv("LOCALSERVE_DISABLE_CPU_KERNELS", "1")
+    quant_linear(x, weight)
     assert len(calls) == 1
-    x = torch.randn(2, 5, weight.in_features)  # leading dimensions are kept
-    assert quant_linear(x, weight).shape == (2, 5, weight.out_features)
 
 
-def test_build_folder_is_named_by_the_sources_and_clears_stale_locks(tmp_path, monkeypatch) -> None:
-    import os
-    from pathlib import Path
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    build = cpu_extension._build_directory()
-    csrc = Path(cpu_extension.__file__).parent / "csrc"
-    assert build.parent == tmp_path and sorted(p.name for p in build.iterdir()) == sorted(cpu_extension._SOURCES)
-    assert all((build / name).read_bytes() == (csrc / name).read_bytes() for name in cpu_extension._SOURCES)
-    assert cpu_extension._build_directory() == build  # the same sources, the same folder
-
-    lock = build / "lock"
-    lock.touch()
-    cpu_extension._build_directory()
-    assert lock.exists(), "a build under way keeps its lock"
-    os.utime(lock, (0, 0))  # left by a build killed long ago
-    cpu_extension._build_directory()
-    assert not lock.exists()
+@pytest.mark.parametrize("n,k", [(24, 128), (37, 203), (5, 7)])  # outputs past the blocks of 4, a k tail
+def test_dense_kernel_equals_torch_and_is_batch_invariant(n: int, k: int) -> None:
+    generator = torch.Generator().manual_seed(n * k)
+    weight, bias = torch.randn(n, k, generator=generator), torch.randn(n, generator=generator)
+    x = torch.randn(max(ROW_COUNTS), k, generator=generator)
+    together = quant_linear_cpu.dense_linear(x, weight, bias)
+    magnitude = x.abs() @ weight.abs().T
+    assert ((together - torch.nn.functional.linear(x, weight, bias)).abs() <= 1e-6 * magnitude + 1e-6).all()
+    for rows in ROW_COUNTS:
+        assert torch.equal(quant_linear_cpu.dense_linear(x[-rows:], weight, bias), together[-rows:])
+    assert torch.equal(linear(x[:3], weight, bias), together[:3])  # the dispatcher's choice for fp32 on CPU

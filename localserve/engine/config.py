@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
@@ -29,6 +30,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes across requests
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, or fp8 (e4m3; CUDA needs compute 8.9+)
     cpu_moe: int | str = 0  # MoE experts kept in host RAM and run on the CPU: of the first N layers, or "all"
+    # CPU matmuls with fp32 activations for every quantized weight, instead of rounding x to
+    # int8 for GGUF's types as llama.cpp does (slower; for comparing with a dense reference).
+    # LOCALSERVE_EXACT_CPU_MATMUL=1 sets the default.
+    exact_cpu_matmul: bool = field(default_factory=lambda: os.environ.get("LOCALSERVE_EXACT_CPU_MATMUL") == "1")
+    threads: int | None = None  # CPU threads for the kernels and torch; default: the physical cores we may use
 
     def __post_init__(self) -> None:
         checks = [
@@ -43,12 +49,22 @@ class EngineConfig:
             (self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"),
+            (self.threads is None or self.threads >= 1, "threads must be at least 1"),
             (self.cpu_moe == "all" or (type(self.cpu_moe) is int and self.cpu_moe >= 0),
              f"cpu_moe must be a number of layers or 'all', not {self.cpu_moe!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise LocalserveError(f"invalid engine option: {message}")
+
+    def cpu_threads(self) -> int:
+        """``threads``, or the physical cores of the CPUs this process may run on."""
+        if self.threads:
+            return self.threads
+        import psutil
+
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(psutil.cpu_count(logical=False) or usable, usable))
 
     def cpu_moe_layers(self, num_layers: int) -> int:
         """How many leading layers keep their experts in host memory."""

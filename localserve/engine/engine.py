@@ -85,12 +85,17 @@ class Engine:
         self.checkpoint = checkpoint
         self.tokenizer: Tokenizer | None = checkpoint.tokenizer()
 
+        if self.device.type == "cpu":
+            from localserve.kernels import cpu_library
+
+            cpu_library.set_threads(self.config.cpu_threads())
         block_size = self.config.block_size
         self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
         block_bytes = kv_bytes_per_block(spec, block_size, self.kv_dtype)
         context = context_limit(spec, self.config.max_model_len)
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context,
-                                  cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers))
+                                  cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
+                                  exact_cpu_matmul=self.config.exact_cpu_matmul)
         num_blocks = self.config.num_kv_blocks or max(
             1, kv_pool_bytes(self.config, self.model, spec, self.kv_dtype, self.device, context) // block_bytes
         )

@@ -1,0 +1,99 @@
+// The C interface of localserve's CPU kernels: plain pointers and sizes, no torch.
+//
+// The same sources are compiled once per instruction set (AVX-512 with VNNI, AVX2, plain
+// C++) into libraries of their own when the package is built; localserve.kernels.cpu_library
+// loads the best one this CPU runs and calls these functions through ctypes. The callers
+// (kernels/*_cpu.py) check every shape before a call: these functions trust their arguments.
+#pragma once
+
+#include <cstdint>
+
+// The library is built with hidden visibility; these are its only exported symbols.
+#pragma GCC visibility push(default)
+extern "C" {
+
+// --- the library -----------------------------------------------------------------------
+const char* ls_variant();         // "avx512_vnni", "avx2" or "generic"
+int32_t ls_lanes();               // output rows per tile of a TiledWeight
+void ls_set_threads(int32_t n);   // OpenMP threads for every kernel
+
+// --- int8-activation matmul over a tiled weight ---------------------------------------
+//
+// A weight W [n, k] of integer codes u in groups of `group` inputs, tiled for the kernel:
+// output rows in tiles of ls_lanes() (the last padded with zero codes), inputs in blocks
+// of 32. Element (row, i) of group g is
+//     zero form: S_g * (u - zero)          mins form (zero < 0): S_g * u - M_g
+// with S_g = super_scales[g / groups_per_super] (fp16), times sub_scales[g] when
+// sub_scales is set (the fp32 product), and M_g likewise from super_mins and sub_mins.
+//
+// Layouts (T tiles, L lanes, B = k / 32 blocks, G = k / group groups, P = G / groups_per_super):
+//   codes         uint8 [T, B, chunk, L, 4]: nibbles (bits <= 4): 4 chunks, byte i of chunk j holds inputs
+//                 8j + i (low nibble) and 8j + 4 + i (high); bytes: 8 chunks of inputs 4j + i
+//   super_scales  fp16  [T, P, L]          sub_scales  int8  [T, G, L] or null
+//   super_mins    fp16  [T, P, L] or null  sub_mins    uint8 [T, G, L] or null
+struct ls_tiled_weight {
+  int64_t n, k;
+  int32_t bits;              // up to 4: two codes per byte (nibbles); else one per byte
+  int32_t group;             // 16, or a multiple of 32 dividing x_block
+  int32_t groups_per_super;  // 1 for single-level scales
+  int32_t zero;              // the constant zero point, or -1 for the mins form
+  int32_t x_block;           // inputs per activation scale: 32 or 256 (a multiple of group)
+  const uint8_t* codes;
+  const uint16_t* super_scales;
+  const int8_t* sub_scales;
+  const uint16_t* super_mins;
+  const uint8_t* sub_mins;
+};
+
+// out [rows, n] = round8(x [rows, k]) @ W.T: each row of x rounded to int8 per x_block
+// inputs (q = nearbyint(x / d), d = max|x| / 127), integer dot products per group, then
+// fp32 scaling in a fixed order per output element. A row's result depends on nothing but
+// that row: the same bits whatever else is in the batch.
+void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out);
+
+// Rows `index[0..count)` of the tiled weight dequantized to fp32, into out [count, k].
+void ls_tiled_dequantize_rows(const ls_tiled_weight* w, const int64_t* index, int64_t count, float* out);
+
+// --- fp32-activation matmul over a QuantWeight (GPTQ, AWQ, the exact path) --------------
+//
+// Factors (scales, offsets, super scales/offsets) are [n, width] arrays of one dtype each.
+enum ls_dtype : int32_t { LS_F32 = 0, LS_F16 = 1, LS_U8 = 2, LS_I8 = 3, LS_I16 = 4 };
+
+struct ls_factors {
+  const void* data;  // null: absent
+  int32_t dtype;     // ls_dtype
+  int64_t width;
+};
+
+// W [n, k] as QuantWeight stores it (codes of up to 4 bits two per byte, input 2j low);
+// offsets are zeros ((u - zero) * scale) or, with mins set, mins (scale * u - min).
+struct ls_quant_weight {
+  int64_t n, k;
+  int32_t bits, group_size, groups_per_super, mins;
+  const uint8_t* codes;
+  ls_factors scales, offsets, super_scales, super_offsets;
+};
+
+// out [rows, n] = x [rows, k] @ W.T with each weight dequantized in registers by the
+// reference's fp32 operations; per row the same sums in the same order at any row count.
+void ls_float_matmul(const ls_quant_weight* w, const float* x, int64_t rows, float* out);
+
+// --- fp32 matmul over a dense fp32 weight ---------------------------------------------
+//
+// out [rows, n] = x [rows, k] @ w [n, k].T, each element summed in the same order at any
+// row count (unlike a BLAS GEMM, whose blocking and kernel follow the shapes).
+void ls_dense_matmul(const float* w, int64_t n, int64_t k, const float* x, int64_t rows, float* out);
+
+// --- paged attention --------------------------------------------------------------------
+//
+// query [tokens, heads, dim] holds each sequence's new rows; row i of sequence b (rows
+// query_start[b]..query_start[b+1]) sits at position seq_lens[b] - query_len + i and
+// attends causally to the cached keys 0..position. Caches [blocks, block_size, kv_heads,
+// dim] fp32, block_tables [batch, max_blocks] int32. Each row is computed exactly as a
+// decode of its position would be: the same bits however the prompt was chunked.
+void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
+                        const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
+                        int64_t max_blocks, const int32_t* query_start, const int32_t* seq_lens, int64_t batch,
+                        float scale, float* out);
+}
+#pragma GCC visibility pop

@@ -1,0 +1,70 @@
+// Paged attention on the CPU: each new row attends to its cached keys and values where
+// they lie, block by block, with no gather into a contiguous copy.
+//
+// Work is split over (sequence, KV head, row) triples. The query heads that share a KV
+// head (GQA) go together, so each cached key and value vector is read once for them: the
+// keys give every such head its scores, a softmax (max-subtracted, in fp32) turns them
+// into weights, and the values are summed with them. A row at position p is computed
+// exactly as a decode at sequence length p + 1 would be, whatever else is in the batch and
+// however the prompt was split into chunks.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "api.h"
+
+extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim,
+                                   const float* k_cache, const float* v_cache, int64_t block_size, int64_t kv_heads,
+                                   const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
+                                   const int32_t* seq_lens, int64_t batch, float scale, float* out) {
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  // Every row's (sequence, position), so the work splits evenly over rows, not sequences.
+  std::vector<int64_t> row_seq(tokens), row_pos(tokens);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = query_start[b], rows = query_start[b + 1] - start;
+    for (int64_t i = 0; i < rows; ++i) {
+      row_seq[start + i] = b;
+      row_pos[start + i] = seq_lens[b] - rows + i;
+    }
+  }
+#pragma omp parallel
+  {
+    std::vector<float> scores, acc(group * dim);
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < tokens * kv_heads; ++item) {
+      const int64_t row = item / kv_heads, kvh = item % kv_heads, b = row_seq[row], len = row_pos[row] + 1;
+      const int32_t* table = block_tables + b * max_blocks;
+      const float* qg = query + (row * heads + kvh * group) * dim;  // this KV head's query heads
+      scores.assign(group * len, 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = qg + g * dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
+          scores[g * len + t] = dot * scale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float peak = *std::max_element(s, s + len);
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - peak));
+        const float inverse = 1.0f / total;
+        for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), out + (row * heads + kvh * group) * dim);
+    }
+  }
+}

@@ -1,0 +1,155 @@
+// The vector operations the int8 kernels are written in, for the instruction set this
+// file is compiled for: AVX-512 with VNNI (16 lanes), AVX2 with FMA and F16C (8 lanes), or
+// plain C++ (16 lanes in arrays). The kernels read the same way for each; only how a lane
+// gets its value differs, and each variant is one library of its own.
+//
+// reduce(v): the sum of v's lanes, in one fixed order.
+//
+// dot(acc, w, x4): each 32-bit lane of acc plus the dot product of its four code bytes
+// (unsigned) with the four int8 values of x4 (one 32-bit word, the same for every lane).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define LS_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LS_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace ls {
+
+inline float half_to_float(uint16_t h) {
+  // IEEE binary16 -> binary32, exact (normals, subnormals, infinities, NaNs).
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exponent = 113;
+    while (!(mantissa & 0x400)) mantissa <<= 1, --exponent;
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+#if defined(LS_AVX512)
+constexpr const char* kVariant = "avx512_vnni";
+struct Simd {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low_nibbles(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  template <bool kWide>
+  static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load_i8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static F load_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static float reduce(F v) { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(LS_AVX2)
+constexpr const char* kVariant = "avx2";
+struct Simd {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I low_nibbles(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  // maddubs sums byte pairs into saturating int16: exact while codes stay below 128
+  // (2 * 127 * 127 fits). Wider codes are met as signed u - 128 (|u - 128| <= 128 and
+  // 2 * 128 * 127 fits), the shift added back as 128 * sum(x) per lane.
+  template <bool kWide>
+  static I dot(I acc, I w, int32_t x4) {
+    const I x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
+    if constexpr (!kWide) {
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+    } else {
+      const I s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+      const I pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(x, s));
+      const I x_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), ones);
+      return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_slli_epi32(x_sum, 7)));
+    }
+  }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_i8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static F load_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static float reduce(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+#else
+constexpr const char* kVariant = "generic";
+// Plain arrays; the compiler vectorises what it can. Multiply and add stay separate
+// roundings here (no fused multiply-add is assumed), the same at every row count.
+struct Simd {
+  static constexpr int kLanes = 16;
+  struct I { int32_t v[kLanes]; };
+  struct F { float v[kLanes]; };
+  static I load_codes(const uint8_t* p) { I r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static I low_nibbles(I w) { for (auto& v : w.v) v &= 0x0F0F0F0F; return w; }
+  static I high_nibbles(I w) { for (auto& v : w.v) v = (static_cast<uint32_t>(v) >> 4) & 0x0F0F0F0F; return w; }
+  template <bool kWide>
+  static I dot(I acc, I w, int32_t x4) {
+    int8_t x[4];
+    std::memcpy(x, &x4, 4);
+    for (int l = 0; l < kLanes; ++l) {
+      uint8_t u[4];
+      std::memcpy(u, &w.v[l], 4);
+      acc.v[l] += u[0] * x[0] + u[1] * x[1] + u[2] * x[2] + u[3] * x[3];
+    }
+    return acc;
+  }
+  static I set1(int32_t v) { I r; for (auto& e : r.v) e = v; return r; }
+  static F to_float(I a) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = static_cast<float>(a.v[l]); return r; }
+  static F fmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = a.v[l] * b.v[l] + c.v[l]; return c; }
+  static F fnmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = c.v[l] - a.v[l] * b.v[l]; return c; }
+  static F mul(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] *= b.v[l]; return a; }
+  static F set1f(float v) { F r; for (auto& e : r.v) e = v; return r; }
+  static F zerof() { return set1f(0.0f); }
+  static F load_half(const uint16_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = half_to_float(p[l]); return r; }
+  static F load_i8(const int8_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
+  static F load_u8(const uint8_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
+  static F loadf(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static void storef(float* p, F v) { std::memcpy(p, v.v, sizeof v.v); }
+  static float reduce(F v) {  // pairwise, as the vector variants do
+    for (int width = kLanes / 2; width > 0; width /= 2)
+      for (int l = 0; l < width; ++l) v.v[l] += v.v[l + width];
+    return v.v[0];
+  }
+};
+#endif
+
+}  // namespace ls
