@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(command: list[str], ready_url: str, threads: int, log: Path) -> Iterator[None]:
+def serving(command: list[str], ready_url: str, threads: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``command`` until the block ends; ready once ``ready_url`` answers 200."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(log, "wb") as out:
@@ -32,7 +32,7 @@ def serving(command: list[str], ready_url: str, threads: int, log: Path) -> Iter
                                    cwd=Path(__file__).resolve().parents[1])
     try:
         wait_ready(process, ready_url, log)
-        yield
+        yield process
     finally:
         stop(process)
 

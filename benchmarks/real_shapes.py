@@ -1,0 +1,386 @@
+"""localserve against llama.cpp at real model shapes, side by side on the same GGUF files.
+
+    python benchmarks/llama_server.py                      # once: build llama-server (~20 min)
+    python benchmarks/real_shapes.py                       # Llama-3.2-1B shape, Q4_K_M and Q8_0
+    python benchmarks/real_shapes.py --shapes qwen2.5-1.5b --types Q4_K_M --repeats 3
+    python benchmarks/real_shapes.py --workloads pp512 one 16 --json out.json
+
+Models: random weights at a real model's shape (layers, widths, heads, vocabulary, tied
+embeddings, q/k/v bias) written as F16 GGUF with a synthetic SentencePiece vocabulary of
+the real size, then quantized by llama.cpp's own quantizer (through llama-cpp-python).
+Files are cached in ``$LOCALSERVE_BENCH_CACHE`` (default ``~/.cache/localserve-bench``).
+
+Workloads (each system started in turn, one at a time, with the same thread count):
+
+* ``pp512``: prompt processing of one 512-token prompt, offline: localserve's engine
+  (a request with one output token) against llama-cpp-python's ``eval``; tokens/s.
+* ``one``: one client, 128 in / 64 out, through each server; TPOT and output tokens/s.
+* ``16``, ``32``: that many clients, random prompts of 64 in / 32 out (the issue's
+  workload); output tokens/s. llama-server runs with ``-np N -c N*ctx``.
+* ``prefix``: 32 clients whose prompts share a 512-token system prompt, then 32 own
+  tokens, 32 out; output tokens/s.
+
+Every server's peak RSS (VmHWM) is recorded. With --repeats R each workload runs R times,
+the systems interleaved, and the report gives the median and the spread (min-max).
+The ratio column is localserve's figure over llama.cpp's (above 1: localserve is better;
+for TPOT and RSS, where lower is better, llama.cpp's over localserve's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_server  # noqa: E402
+from servers import free_port, serving  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str  # GGUF architecture
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    rope_theta: float
+    qkv_bias: bool = False
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
+    head_dim: int | None = None
+
+
+SHAPES = {
+    "llama-3.2-1b": Shape("llama", 16, 2048, 32, 8, 8192, 128256, 500000.0),
+    "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 12, 2, 8960, 151936, 1000000.0, qkv_bias=True),
+    # Qwen3-30B-A3B's layer (128 experts, 8 used, expert FFN 768, head_dim 128) at 12 layers
+    # and hidden 1024 so its F16 source fits this machine's memory.
+    "qwen3-moe-small": Shape("qwen3moe", 12, 1024, 16, 4, 0, 151936, 1000000.0, experts=128, experts_used=8,
+                             expert_ffn=768, head_dim=128),
+}
+
+
+# -- models -----------------------------------------------------------------------------------
+
+def model_path(shape_name: str, ftype: str) -> Path:
+    cache = llama_server.cache_dir() / "models"
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"{shape_name}-{ftype}.gguf"
+    if target.exists():
+        return target
+    source = cache / f"{shape_name}-F16.gguf"
+    if not source.exists():
+        write_random_gguf(source, SHAPES[shape_name])
+    quantize(source, target, ftype)
+    return target
+
+
+def write_random_gguf(path: Path, shape: Shape) -> None:
+    """Random F16 weights (std 1/sqrt(fan_in); embeddings at std 1) and a SentencePiece
+    vocabulary of ``shape.vocab`` pieces: <unk>, <s>, </s>, the 256 byte pieces, then
+    single characters."""
+    import gguf
+
+    print(f"writing {path.name} (random weights)", flush=True)
+    rng = np.random.default_rng(0)
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    writer = gguf.GGUFWriter(str(path.with_suffix(".partial")), shape.arch)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn or shape.expert_ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(shape.rope_theta)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
+    # One character per piece (CJK onwards, surrogates skipped): text made of these pieces
+    # tokenizes back to the same ids, so servers fed text see the intended prompt lengths.
+    characters = [chr(c) for c in range(0x4E00, 0x4E00 + shape.vocab + 2048) if not 0xD800 <= c < 0xE000]
+    words = ["\u2581", *characters[: shape.vocab - 260]]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *words])
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(words))])
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * len(words)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def add(name: str, rows: int, columns: int, std: float | None = None) -> None:
+        scale = std if std is not None else columns ** -0.5
+        writer.add_tensor(name, (rng.standard_normal((rows, columns), dtype=np.float32) * scale).astype(np.float16))
+
+    def vector(name: str, size: int, value: float | None = None) -> None:
+        data = np.full(size, value, np.float32) if value is not None else rng.standard_normal(size, np.float32) * 0.02
+        writer.add_tensor(name, data)
+
+    add("token_embd.weight", shape.vocab, shape.hidden, std=1.0)  # tied: the LM head too
+    vector("output_norm.weight", shape.hidden, 1.0)
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
+    for i in range(shape.layers):
+        b = f"blk.{i}"
+        vector(f"{b}.attn_norm.weight", shape.hidden, 1.0)
+        vector(f"{b}.ffn_norm.weight", shape.hidden, 1.0)
+        add(f"{b}.attn_q.weight", q, shape.hidden)
+        add(f"{b}.attn_k.weight", kv, shape.hidden)
+        add(f"{b}.attn_v.weight", kv, shape.hidden)
+        add(f"{b}.attn_output.weight", shape.hidden, q)
+        if shape.qkv_bias:
+            vector(f"{b}.attn_q.bias", q)
+            vector(f"{b}.attn_k.bias", kv)
+            vector(f"{b}.attn_v.bias", kv)
+        if shape.arch == "qwen3moe":
+            vector(f"{b}.attn_q_norm.weight", head_dim, 1.0)
+            vector(f"{b}.attn_k_norm.weight", head_dim, 1.0)
+        if shape.experts:
+            writer.add_tensor(f"{b}.ffn_gate_inp.weight",
+                              rng.standard_normal((shape.experts, shape.hidden), dtype=np.float32) * 0.1)
+            for name, rows, columns in (("gate", shape.expert_ffn, shape.hidden), ("up", shape.expert_ffn, shape.hidden),
+                                        ("down", shape.hidden, shape.expert_ffn)):
+                experts = rng.standard_normal((shape.experts, rows, columns), dtype=np.float32) * columns ** -0.5
+                writer.add_tensor(f"{b}.ffn_{name}_exps.weight", experts.astype(np.float16))
+        else:
+            add(f"{b}.ffn_gate.weight", shape.ffn, shape.hidden)
+            add(f"{b}.ffn_up.weight", shape.ffn, shape.hidden)
+            add(f"{b}.ffn_down.weight", shape.hidden, shape.ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.with_suffix(".partial").replace(path)
+
+
+def quantize(source: Path, target: Path, ftype: str) -> None:
+    import ctypes
+
+    import llama_cpp
+
+    print(f"quantizing to {target.name}", flush=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = os.cpu_count() or 2
+    partial = target.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)):
+        raise RuntimeError(f"llama.cpp could not quantize to {ftype}")
+    partial.replace(target)
+
+
+# -- measurements -----------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    system: str
+    workload: str
+    value: float  # the workload's headline figure (tokens/s, or TPOT in ms for "one")
+    extra: dict = field(default_factory=dict)
+
+
+def prompt_ids(vocab: int, count: int, length: int, seed: int, shared: list[int] | None = None) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[1, *(shared or []), *rng.integers(260, vocab, length - 1).tolist()] for _ in range(count)]
+
+
+def pp512_localserve(path: Path, threads: int) -> float:
+    from localserve import LLM, SamplingParams
+
+    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=512, threads=threads,
+              enable_prefix_caching=False)
+    vocab = llm.engine.spec.vocab_size
+    llm.generate(prompt_ids(vocab, 1, 64, seed=1), SamplingParams(max_tokens=1))  # warm-up
+    [prompt] = prompt_ids(vocab, 1, 512, seed=2)
+    start = time.perf_counter()
+    llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
+    return 512 / (time.perf_counter() - start)
+
+
+def pp512_llama_cpp(path: Path, threads: int, vocab: int) -> float:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    llm.eval(prompt_ids(vocab, 1, 64, seed=1)[0])
+    llm.reset()
+    [prompt] = prompt_ids(vocab, 1, 512, seed=2)
+    start = time.perf_counter()
+    llm.eval(prompt)
+    elapsed = time.perf_counter() - start
+    llm.close()
+    return 512 / elapsed
+
+
+def localserve_command(path: Path, port: int, threads: int, clients: int, ctx: int) -> list[str]:
+    return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={path}", "--device", "cpu",
+            "--port", str(port), "--log-level", "warning", "--max-num-seqs", str(max(clients, 1)),
+            "--max-model-len", str(ctx), "--kv-cache-memory", str(max(clients, 1) * ctx * kv_bytes_per_token(path)),
+            "--threads", str(threads), "--insecure-no-auth"]
+
+
+def llama_server_command(path: Path, port: int, threads: int, clients: int, ctx: int) -> list[str]:
+    binary = llama_server.binary()
+    if binary is None:
+        raise SystemExit("llama-server is not built: run python benchmarks/llama_server.py first")
+    slots = max(clients, 1)
+    return [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+            "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--no-webui", "-a", "bench"]
+
+
+def kv_bytes_per_token(path: Path) -> int:
+    from localserve.formats.gguf_file import read_gguf
+
+    meta = read_gguf(path).metadata
+    arch = meta["general.architecture"]
+    layers, kv_heads = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.attention.head_count_kv"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or
+                   int(meta[f"{arch}.embedding_length"]) // int(meta[f"{arch}.attention.head_count"]))
+    return 2 * layers * kv_heads * head_dim * 4  # fp32 K and V on the CPU
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def served(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path) -> Sample:
+    from localserve.bench import BenchConfig, arun_benchmark
+    from localserve.bench.datasets import SampleRequest
+    from localserve.bench.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(path))
+    vocab = tokenizer.vocab_size
+    if workload == "one":
+        clients, prompts, output = 1, prompt_ids(vocab, 4, 128, seed=3), 64
+    elif workload == "prefix":
+        shared = np.random.default_rng(9).integers(260, vocab, 511).tolist()
+        clients, prompts, output = 32, prompt_ids(vocab, 32, 33, seed=4, shared=shared), 32
+    else:
+        clients = int(workload)
+        prompts, output = prompt_ids(vocab, clients * 2, 64, seed=5), 32
+    ctx = max(len(p) for p in prompts) + output + 16
+    requests = [SampleRequest(prompt=tokenizer.decode(p[1:]), prompt_len=len(p), expected_output_len=output)
+                for p in prompts]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = (localserve_command if system == "localserve" else llama_server_command)(path, port, args.threads,
+                                                                                      clients, ctx)
+    ready = url + ("/health" if system == "localserve" else "/v1/models")
+    with serving(command, ready, args.threads, workdir / f"{system}.log") as process:
+        config = BenchConfig(url=url, model="bench", num_prompts=len(requests), max_concurrency=clients,
+                             ignore_eos=True, num_warmups=1, api_key="bench")
+        result = asyncio.run(arun_benchmark(config, tokenizer=tokenizer, requests=requests))
+        rss = peak_rss(process.pid)
+    m = result.metrics
+    tpot = m.latencies["tpot"].median if "tpot" in m.latencies else float("nan")
+    value = tpot if workload == "one" else m.output_throughput
+    return Sample(system, workload, value, {"output_tps": m.output_throughput, "tpot_ms": tpot, "rss": rss,
+                                            "failed": m.failed, "ttft_ms": m.latencies["ttft"].median})
+
+
+def measure(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path) -> Sample:
+    if workload == "pp512":
+        from localserve.bench.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(str(path)).vocab_size
+        value = pp512_localserve(path, args.threads) if system == "localserve" else \
+            pp512_llama_cpp(path, args.threads, vocab)
+        return Sample(system, workload, value)
+    return served(system, path, workload, args, workdir)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+LOWER_IS_BETTER = {"one"}  # TPOT in ms
+UNITS = {"pp512": "prompt tok/s", "one": "TPOT ms", "16": "output tok/s", "32": "output tok/s",
+         "prefix": "output tok/s"}
+SYSTEMS = ("localserve", "llama.cpp")
+
+
+def summarize(samples: list[Sample]) -> list[dict]:
+    rows = []
+    for workload in dict.fromkeys(s.workload for s in samples):
+        row: dict = {"workload": workload, "unit": UNITS[workload]}
+        for system in SYSTEMS:
+            values = [s.value for s in samples if s.system == system and s.workload == workload]
+            rss = [s.extra["rss"] for s in samples if s.system == system and s.workload == workload and "rss" in s.extra]
+            row[system] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                           "runs": values, "peak_rss": max(rss) if rss else None}
+        ours, theirs = row["localserve"]["median"], row["llama.cpp"]["median"]
+        row["ratio"] = theirs / ours if workload in LOWER_IS_BETTER else ours / theirs
+        if row["localserve"]["peak_rss"] and row["llama.cpp"]["peak_rss"]:
+            row["rss_ratio"] = row["localserve"]["peak_rss"] / row["llama.cpp"]["peak_rss"]
+        rows.append(row)
+    return rows
+
+
+def format_rows(label: str, rows: list[dict]) -> str:
+    def cell(figures: dict) -> str:
+        return f"{figures['median']:8.1f} ({figures['min']:.1f}-{figures['max']:.1f})"
+
+    lines = [f"\n{label}", f"{'workload':9s} {'unit':13s} {'localserve':>24s} {'llama.cpp':>24s} {'ratio':>6s} "
+             f"{'RSS ours/theirs':>16s}"]
+    for row in rows:
+        rss = f"{row['rss_ratio']:.2f}" if "rss_ratio" in row else "-"
+        lines.append(f"{row['workload']:9s} {row['unit']:13s} {cell(row['localserve']):>24s} "
+                     f"{cell(row['llama.cpp']):>24s} {row['ratio']:6.2f} {rss:>16s}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["llama-3.2-1b"], choices=list(SHAPES))
+    parser.add_argument("--types", nargs="+", default=["Q4_K_M", "Q8_0"])
+    parser.add_argument("--workloads", nargs="+", default=["pp512", "one", "16", "32", "prefix"],
+                        choices=list(UNITS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    report = []
+    with tempfile.TemporaryDirectory(prefix="localserve-real-shapes-") as tmp:
+        for shape in args.shapes:
+            for ftype in args.types:
+                path = model_path(shape, ftype)
+                samples = []
+                for workload in args.workloads:
+                    for repeat in range(args.repeats):
+                        # Interleaved: a slow spell of this shared machine hits both systems.
+                        order = SYSTEMS if repeat % 2 == 0 else SYSTEMS[::-1]
+                        for system in order:
+                            sample = measure(system, path, workload, args, Path(tmp))
+                            print(f"  {shape} {ftype} {workload} {system}: {sample.value:.1f} {UNITS[workload]} "
+                                  f"{sample.extra}", flush=True)
+                            samples.append(sample)
+                rows = summarize(samples)
+                report.append({"shape": shape, "type": ftype, "rows": rows})
+                print(format_rows(f"{shape} {ftype}", rows), flush=True)
+    print(f"\n{args.threads} threads; medians of {args.repeats} runs (min-max); ratio > 1: localserve better")
+    for entry in report:
+        print(format_rows(f"{entry['shape']} {entry['type']}", entry["rows"]))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
