@@ -15,12 +15,15 @@ Workloads (each system started in turn, one at a time, with the same thread coun
 * ``pp512``: prompt processing of one 512-token prompt, offline: localserve's engine
   (a request with one output token) against llama-cpp-python's ``eval``; tokens/s.
 * ``one``: one client, 128 in / 64 out, through each server; TPOT and output tokens/s.
+* ``offline``: the same stream in-process, no server: localserve's engine against
+  llama-cpp-python's ``eval``; TPOT (what ``one`` costs beyond it is the HTTP path's).
 * ``16``, ``32``: that many clients, random prompts of 64 in / 32 out (the issue's
   workload); output tokens/s. llama-server runs with ``-np N -c N*ctx``.
 * ``prefix``: 32 clients whose prompts share a 512-token system prompt, then 32 own
   tokens, 32 out; output tokens/s.
 
-Every server's peak RSS (VmHWM) is recorded. With --repeats R each workload runs R times,
+Every server's peak RSS (VmHWM) is recorded, and how long its first request (16 in, 8 out) takes
+once it reports ready with the model loaded. With --repeats R each workload runs R times,
 the systems interleaved, and the report gives the median and the spread (min-max).
 The ratio column is localserve's figure over llama.cpp's (above 1: localserve is better;
 for TPOT and RSS, where lower is better, llama.cpp's over localserve's).
@@ -227,6 +230,38 @@ def pp512_llama_cpp(path: Path, threads: int, vocab: int) -> float:
     return 512 / elapsed
 
 
+def offline_tpot_localserve(path: Path, threads: int) -> float:
+    """One stream in-process (no server): the median TPOT in ms over the "one" prompts."""
+    from localserve import LLM, SamplingParams
+
+    llm = LLM(path, device="cpu", num_kv_blocks=64, threads=threads)
+    vocab = llm.engine.spec.vocab_size
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    llm.generate(prompt_ids(vocab, 1, 16, seed=1), SamplingParams(max_tokens=4))  # warm-up
+    tpots = []
+    for prompt in prompt_ids(vocab, 4, 128, seed=3):
+        [out] = llm.generate(prompt, params)
+        tpots.append((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1) * 1000)
+    return statistics.median(tpots)
+
+
+def offline_tpot_llama_cpp(path: Path, threads: int, vocab: int) -> float:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
+    tpots = []
+    for prompt in prompt_ids(vocab, 4, 128, seed=3):
+        llm.reset()
+        llm.eval(prompt)
+        start = time.perf_counter()
+        for _ in range(63):  # greedy decode of the 63 tokens after the first
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            llm.eval([token])
+        tpots.append((time.perf_counter() - start) / 63 * 1000)
+    llm.close()
+    return statistics.median(tpots)
+
+
 def localserve_command(path: Path, port: int, threads: int, clients: int, ctx: int) -> list[str]:
     return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={path}", "--device", "cpu",
             "--port", str(port), "--log-level", "warning", "--max-num-seqs", str(max(clients, 1)),
@@ -261,6 +296,18 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
+def time_first_request(url: str, prompt: str) -> float:
+    """Seconds the first request (16 tokens in, 8 out) takes once the server says it is
+    ready with the model loaded: whatever the server still sets up at first use."""
+    import httpx
+
+    start = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", timeout=600, headers={"Authorization": "Bearer bench"},
+                          json={"model": "bench", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    response.raise_for_status()
+    return time.perf_counter() - start
+
+
 def served(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path) -> Sample:
     from localserve.bench import BenchConfig, arun_benchmark
     from localserve.bench.datasets import SampleRequest
@@ -285,14 +332,19 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
                                                                                       clients, ctx)
     ready = url + ("/health" if system == "localserve" else "/v1/models")
     with serving(command, ready, args.threads, workdir / f"{system}.log") as process:
+        first_request_s = time_first_request(url, tokenizer.decode(prompts[0][1:17]))
         config = BenchConfig(url=url, model="bench", num_prompts=len(requests), max_concurrency=clients,
                              ignore_eos=True, num_warmups=1, api_key="bench")
         result = asyncio.run(arun_benchmark(config, tokenizer=tokenizer, requests=requests))
         rss = peak_rss(process.pid)
     m = result.metrics
+    if m.failed:
+        log = (workdir / f"{system}.log").read_text(errors="replace")[-2000:]
+        raise SystemExit(f"{system}: {m.failed} of {len(requests)} requests failed; its log ends:\n{log}")
     tpot = m.latencies["tpot"].median if "tpot" in m.latencies else float("nan")
     value = tpot if workload == "one" else m.output_throughput
-    return Sample(system, workload, value, {"output_tps": m.output_throughput, "tpot_ms": tpot, "rss": rss,
+    return Sample(system, workload, value, {"first_request_s": first_request_s,
+                                            "output_tps": m.output_throughput, "tpot_ms": tpot, "rss": rss,
                                             "failed": m.failed, "ttft_ms": m.latencies["ttft"].median})
 
 
@@ -304,13 +356,20 @@ def measure(system: str, path: Path, workload: str, args: argparse.Namespace, wo
         value = pp512_localserve(path, args.threads) if system == "localserve" else \
             pp512_llama_cpp(path, args.threads, vocab)
         return Sample(system, workload, value)
+    if workload == "offline":
+        from localserve.bench.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(str(path)).vocab_size
+        value = offline_tpot_localserve(path, args.threads) if system == "localserve" else \
+            offline_tpot_llama_cpp(path, args.threads, vocab)
+        return Sample(system, workload, value)
     return served(system, path, workload, args, workdir)
 
 
 # -- report -----------------------------------------------------------------------------------
 
-LOWER_IS_BETTER = {"one"}  # TPOT in ms
-UNITS = {"pp512": "prompt tok/s", "one": "TPOT ms", "16": "output tok/s", "32": "output tok/s",
+LOWER_IS_BETTER = {"one", "offline"}  # TPOT in ms
+UNITS = {"pp512": "prompt tok/s", "one": "TPOT ms", "offline": "TPOT ms", "16": "output tok/s", "32": "output tok/s",
          "prefix": "output tok/s"}
 SYSTEMS = ("localserve", "llama.cpp")
 
@@ -321,9 +380,10 @@ def summarize(samples: list[Sample]) -> list[dict]:
         row: dict = {"workload": workload, "unit": UNITS[workload]}
         for system in SYSTEMS:
             values = [s.value for s in samples if s.system == system and s.workload == workload]
-            rss = [s.extra["rss"] for s in samples if s.system == system and s.workload == workload and "rss" in s.extra]
+            extras = [s.extra for s in samples if s.system == system and s.workload == workload and s.extra]
             row[system] = {"median": statistics.median(values), "min": min(values), "max": max(values),
-                           "runs": values, "peak_rss": max(rss) if rss else None}
+                           "runs": values, "peak_rss": max((e["rss"] for e in extras), default=None),
+                           "first_request_s": max((e["first_request_s"] for e in extras), default=None)}
         ours, theirs = row["localserve"]["median"], row["llama.cpp"]["median"]
         row["ratio"] = theirs / ours if workload in LOWER_IS_BETTER else ours / theirs
         if row["localserve"]["peak_rss"] and row["llama.cpp"]["peak_rss"]:
@@ -336,12 +396,16 @@ def format_rows(label: str, rows: list[dict]) -> str:
     def cell(figures: dict) -> str:
         return f"{figures['median']:8.1f} ({figures['min']:.1f}-{figures['max']:.1f})"
 
+    def first(figures: dict) -> str:
+        return "-" if figures["first_request_s"] is None else f"{figures['first_request_s']:.2f}"
+
     lines = [f"\n{label}", f"{'workload':9s} {'unit':13s} {'localserve':>24s} {'llama.cpp':>24s} {'ratio':>6s} "
-             f"{'RSS ours/theirs':>16s}"]
+             f"{'RSS ours/theirs':>16s} {'first request s':>16s}"]
     for row in rows:
         rss = f"{row['rss_ratio']:.2f}" if "rss_ratio" in row else "-"
+        firsts = f"{first(row['localserve'])} / {first(row['llama.cpp'])}"
         lines.append(f"{row['workload']:9s} {row['unit']:13s} {cell(row['localserve']):>24s} "
-                     f"{cell(row['llama.cpp']):>24s} {row['ratio']:6.2f} {rss:>16s}")
+                     f"{cell(row['llama.cpp']):>24s} {row['ratio']:6.2f} {rss:>16s} {firsts:>16s}")
     return "\n".join(lines)
 
 
@@ -351,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["llama-3.2-1b"], choices=list(SHAPES))
     parser.add_argument("--types", nargs="+", default=["Q4_K_M", "Q8_0"])
-    parser.add_argument("--workloads", nargs="+", default=["pp512", "one", "16", "32", "prefix"],
+    parser.add_argument("--workloads", nargs="+", default=["pp512", "offline", "one", "16", "32", "prefix"],
                         choices=list(UNITS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)

@@ -58,9 +58,16 @@ class KVCache:
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, pin_memory: bool = False) -> KVCache:
-        """A zeroed cache; ``dtype`` int8 or float8_e4m3fn makes it 8-bit, with scales."""
+        """A cache; ``dtype`` int8 or float8_e4m3fn makes it 8-bit, with scales. A float
+        cache in (unpinned) host memory is left unwritten, so its pages become resident as
+        blocks are first used instead of all at start (no kernel reads a slot no sequence
+        has written, and NaN there cannot leak); the others are zeroed (the reference
+        dequantizes whole 8-bit blocks before masking)."""
+        lazy = torch.device(device).type == "cpu" and not pin_memory and not is_8bit(dtype)
 
         def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            if lazy:
+                return torch.empty(shape, dtype=dtype, device=device)
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
         shape = (num_blocks, block_size, num_kv_heads, head_dim)

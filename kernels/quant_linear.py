@@ -152,14 +152,15 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
-def unpack_codes(weight: QuantWeight, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """Codes ``[N, K]`` in ``dtype``, written straight into one tensor."""
+def unpack_codes(weight: QuantWeight, dtype: torch.dtype = torch.uint8, rows: slice = slice(None)) -> torch.Tensor:
+    """Codes ``[N, K]`` (or those ``rows``) in ``dtype``, written straight into one tensor."""
+    codes = weight.codes[rows]
     if not weight.packed:
-        return weight.codes.to(dtype)
-    n, half = weight.codes.shape
-    out = torch.empty(n, half, 2, dtype=dtype, device=weight.codes.device)
-    out[..., 0].copy_(weight.codes & 0xF)
-    out[..., 1].copy_(weight.codes >> 4)
+        return codes.to(dtype)
+    n, half = codes.shape
+    out = torch.empty(n, half, 2, dtype=dtype, device=codes.device)
+    out[..., 0].copy_(codes & 0xF)
+    out[..., 1].copy_(codes >> 4)
     return out.view(n, 2 * half)
 
 

@@ -39,6 +39,7 @@ class TiledWeight:
     zero: int  # -1: the mins form
     x_block: int
     codes: torch.Tensor
+    high: torch.Tensor | None  # the top bits of 5- and 6-bit codes
     super_scales: torch.Tensor
     sub_scales: torch.Tensor | None
     super_mins: torch.Tensor | None
@@ -51,7 +52,7 @@ class TiledWeight:
 
         self.desc = cpu_library.TiledWeightDesc(
             self.out_features, self.in_features, self.bits, self.group_size, self.groups_per_super, self.zero,
-            self.x_block, address(self.codes), address(self.super_scales), address(self.sub_scales),
+            self.x_block, address(self.codes), address(self.high), address(self.super_scales), address(self.sub_scales),
             address(self.super_mins), address(self.sub_mins))
 
     @property
@@ -60,7 +61,7 @@ class TiledWeight:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.codes, self.super_scales, self.sub_scales, self.super_mins, self.sub_mins)
+        tensors = (self.codes, self.high, self.super_scales, self.sub_scales, self.super_mins, self.sub_mins)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -87,7 +88,7 @@ def can_tile(weight: QuantWeight) -> bool:
     """Whether ``tile`` takes this weight: an ``int8_block`` (GGUF's quantized types), a
     constant zero point or the mins form, fp16-exact scales and mins, no act-order."""
     block, group = weight.int8_block, weight.group_size
-    if not (block > 0 and block % 32 == 0 and weight.in_features % block == 0 and weight.perm is None
+    if not (weight.bits in (2, 3, 4, 5, 6, 8) and block > 0 and block % 32 == 0 and weight.in_features % block == 0 and weight.perm is None
             and (group == 16 or group % 32 == 0) and block % group == 0 and weight.codes.device.type == "cpu"):
         return False
     if weight.zeros is not None:
@@ -108,16 +109,27 @@ def can_tile(weight: QuantWeight) -> bool:
 
 
 def tile(weight: QuantWeight, lanes: int | None = None) -> TiledWeight:
-    """``weight`` in the int8 kernel's layout (see ``can_tile``)."""
+    """``weight`` in the int8 kernel's layout (see ``can_tile``), laid out a few million
+    codes at a time so that converting a large matrix (a 128k-row LM head) needs little
+    memory beyond its result."""
     lanes = lanes or cpu_library.lanes()
     n, k = weight.shape
     tiles = -(-n // lanes)
-    codes = _pad_rows(unpack_codes(weight), tiles * lanes).view(tiles, lanes, -1)
-    if weight.bits <= 4:  # chunks of 8 inputs: byte i holds input i (low nibble) and i + 4 (high)
-        pairs = codes.view(tiles, lanes, k // 8, 2, 4)
-        words = pairs[..., 0, :] | (pairs[..., 1, :] << 4)
-    else:  # chunks of 4 inputs, one per byte
-        words = codes.view(tiles, lanes, k // 4, 4)
+    nibbles = weight.bits <= 6  # chunks of 8 inputs: byte i holds input i (low nibble) and i + 4 (high)
+    codes = torch.empty(tiles, k // (8 if nibbles else 4), lanes, 4, dtype=torch.uint8)
+    high = torch.empty(tiles, k // 32, weight.bits - 4, lanes, 4, dtype=torch.uint8) if 4 < weight.bits <= 6 else None
+    step = max(1, (1 << 22) // (lanes * k))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        rows = unpack_codes(weight, rows=slice(t0 * lanes, min(n, t1 * lanes)))
+        part = _pad_rows(rows, (t1 - t0) * lanes).view(t1 - t0, lanes, k)
+        if nibbles:
+            pairs = (part & 0x0F).view(t1 - t0, lanes, k // 8, 2, 4)
+            codes[t0:t1] = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).permute(0, 2, 1, 3)
+            if high is not None:
+                high[t0:t1] = _high_plane(part, weight.bits - 4)
+        else:  # chunks of 4 inputs, one per byte
+            codes[t0:t1] = part.view(t1 - t0, lanes, k // 4, 4).permute(0, 2, 1, 3)
     two_level = weight.super_scales is not None
     super_scales = weight.super_scales if two_level else weight.scales
     mins = weight.mins
@@ -125,7 +137,7 @@ def tile(weight: QuantWeight, lanes: int | None = None) -> TiledWeight:
         out_features=n, in_features=k, bits=weight.bits, group_size=weight.group_size,
         groups_per_super=weight.groups_per_super if two_level else 1,
         zero=int(weight.zeros.flatten()[0]) if weight.zeros is not None else -1, x_block=weight.int8_block,
-        codes=words.permute(0, 2, 1, 3).contiguous(),
+        codes=codes, high=high,
         super_scales=_per_lane(super_scales.to(torch.float16), tiles, lanes),
         sub_scales=_per_lane(weight.scales.to(torch.int8), tiles, lanes) if two_level else None,
         super_mins=(None if mins is None else
@@ -205,6 +217,22 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     out = t.new_zeros(rows, *t.shape[1:])
     out[: t.shape[0]] = t
     return out
+
+
+def _high_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The bits above the low four of ``codes [tiles, lanes, k]``, as csrc/api.h lays them
+    out: per 32-input block, input 8j + 4h + i's at word h, byte i, bits 2j (two bits) or
+    at the one word's byte i, bit j + 4h (one bit); ``[tiles, blocks, words, lanes, 4]``."""
+    tiles, lanes, k = codes.shape
+    top = (codes >> 4).view(tiles, lanes, k // 32, 4, 2, 4)  # [.., block, j, h, i]
+    if bits == 2:
+        plane = top[:, :, :, 0] | top[:, :, :, 1] << 2 | top[:, :, :, 2] << 4 | top[:, :, :, 3] << 6
+    else:
+        plane = torch.zeros_like(top[:, :, :, 0, 0])
+        for j in range(4):
+            plane |= top[:, :, :, j, 0] << j | top[:, :, :, j, 1] << (j + 4)
+        plane = plane.unsqueeze(3)
+    return plane.permute(0, 2, 3, 1, 4)  # [tiles, block, h, lanes, i]
 
 
 def _per_lane(t: torch.Tensor, tiles: int, lanes: int) -> torch.Tensor:

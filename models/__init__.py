@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import ctypes
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -10,6 +11,7 @@ from localserve.errors import LocalserveError
 from localserve.formats.spec import ModelSpec
 from localserve.kernels.quant_linear import QuantWeight
 
+from .layers import Linear
 from .llama import LlamaForCausalLM, Slot
 from .moe import Experts
 
@@ -39,25 +41,44 @@ def build(
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.dtype = dtype
-    load_weights(model, weights)
-    for linear in model.linears():
+
+    def finalize(linear: Linear) -> None:
         linear.finalize(device, dtype, int8_cpu=not exact_cpu_matmul)
+
+    # Each projection is finalized as soon as its last part arrives, so the checkpoint's
+    # layout of a weight is freed before the next is read (the peak stays near one copy).
+    load_weights(model, weights, on_complete=finalize)
     for layer, experts in model.experts():
         experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype)
+    _return_freed_heap()
     return model.eval()
+
+
+def _return_freed_heap() -> None:
+    """glibc keeps the freed checkpoint-layout copies in its heap, resident; give them
+    back to the system (elsewhere there is no malloc_trim, and nothing to do)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _is_expert_slot(slot: Slot) -> bool:
     return isinstance(slot, tuple) and isinstance(slot[0], Experts)
 
 
-def load_weights(model: LlamaForCausalLM, weights: NamedWeights) -> None:
+def load_weights(model: LlamaForCausalLM, weights: NamedWeights,
+                 on_complete: Callable[[Linear], None] | None = None) -> None:
+    """Fill the model's slots from named weights; ``on_complete`` gets each projection
+    once all its parts are in."""
     slots = model.checkpoint_slots()
     filled: set[str] = set()
     for name, value in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.spec.tie_word_embeddings):
             continue
         slot = slots.get(name)
+        if name in filled:
+            raise LocalserveError(f"checkpoint tensor {name!r} appears twice")
         if slot is None:
             raise LocalserveError(f"checkpoint tensor {name!r} does not belong to a {model.spec.architecture} model")
         if isinstance(slot, torch.Tensor):
@@ -73,6 +94,8 @@ def load_weights(model: LlamaForCausalLM, weights: NamedWeights) -> None:
             linear.bias_parts[part] = value  # type: ignore[index]
         else:
             linear.parts[part] = value  # type: ignore[index]
+        if on_complete is not None and isinstance(slot, tuple) and isinstance(linear, Linear) and linear.complete:
+            on_complete(linear)
         filled.add(name)
     # Experts may come one by one or stacked, so their slots are alternatives that
     # Experts.finalize checks for completeness.

@@ -51,6 +51,12 @@ class Linear(nn.Module):
     def expected_shape(self, part: int, is_bias: bool) -> tuple[int, ...]:
         return (self.part_sizes[part],) if is_bias else (self.part_sizes[part], self.in_features)
 
+    @property
+    def complete(self) -> bool:
+        """Every part (and bias part) filled, and not finalized yet."""
+        return (bool(self.parts) and all(p is not None for p in self.parts)
+                and (self.bias_parts is None or all(b is not None for b in self.bias_parts)))
+
     def finalize(self, device: torch.device, dtype: torch.dtype, int8_cpu: bool = True) -> None:
         """Join the parts and move them to ``device``; on the CPU, with ``int8_cpu``, the
         quantized weights the int8 kernel takes are tiled for it (replacing them)."""

@@ -57,3 +57,16 @@ def test_a_build_without_a_compiler_still_makes_a_wheel(tmp_path: Path) -> None:
     assert "localserve/kernels/cpu_library.py" in names
     assert not [name for name in names if name.endswith(".so")]
     assert "CPU kernels" in result.stdout + result.stderr  # the warning reaches the installer's log
+
+
+def test_threads_default_to_the_physical_cores_this_process_may_use() -> None:
+    import psutil
+
+    from localserve import EngineConfig
+    from localserve.errors import LocalserveError
+
+    usable = len(os.sched_getaffinity(0))
+    assert EngineConfig().cpu_threads() == min(psutil.cpu_count(logical=False) or usable, usable)
+    assert EngineConfig(threads=3).cpu_threads() == 3
+    with pytest.raises(LocalserveError, match="threads"):
+        EngineConfig(threads=0)

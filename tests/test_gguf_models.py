@@ -207,3 +207,33 @@ def test_four_bit_gguf_weights_stay_about_file_size(tmp_path, model, ftype: str)
     fp16_bytes = sum(linear.in_features * sum(linear.part_sizes) * 2 for linear in linears)
     print(f"\n{ftype}: weights {held} bytes in memory, {file_bytes} in the file, {fp16_bytes} as fp16")
     assert held <= 1.15 * file_bytes and held < 0.4 * fp16_bytes
+
+
+def test_load_finalizes_each_projection_as_it_completes(tmp_path) -> None:
+    """Each projection is handed on (tiled, on the CPU) once its last part is read, so
+    the checkpoint's layout of it is freed before the next weights come; a tensor that
+    comes twice is refused."""
+    from localserve.errors import LocalserveError
+    from localserve.formats import open_checkpoint
+    from localserve.models import LlamaForCausalLM, load_weights
+
+    path = tmp_path / "tiny-q8_0.gguf"
+    write_gguf(path, tiny_llama(), Q.Q8_0)
+    checkpoint = open_checkpoint(path)
+    read: list[str] = []
+    completed: list[tuple[int, object]] = []
+
+    def named():  # type: ignore[no-untyped-def]
+        for name, weight in checkpoint.weights():
+            read.append(name)
+            yield name, weight
+
+    model = LlamaForCausalLM(checkpoint.spec, 64, torch.device("cpu"))
+    load_weights(model, named(), on_complete=lambda linear: completed.append((len(read), linear)))
+    assert {id(linear) for _, linear in completed} == {id(linear) for linear in model.linears()}
+    assert len(completed) == len(model.linears())  # once each
+    assert completed[0][0] < len(read) / 2  # not all at the end
+
+    twice = [*checkpoint.weights(), next(iter(checkpoint.weights()))]
+    with pytest.raises(LocalserveError, match="appears twice"):
+        load_weights(LlamaForCausalLM(checkpoint.spec, 64, torch.device("cpu")), twice)

@@ -231,3 +231,16 @@ def test_logprobs_for_sampled_token_outside_top() -> None:
 def test_empty_batch() -> None:
     out = Sampler()(torch.empty(0, 10), [])
     assert out.token_ids == [] and out.logprobs == []
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.01])  # peaked: the partial top-k holds top_p; flat: every token sorted
+def test_top_p_on_a_large_vocabulary_equals_the_full_sort(spread: float) -> None:
+    from localserve.engine.sampler import _top_p_drop
+
+    probs = (torch.randn(3, 151_936, generator=torch.Generator().manual_seed(3)) * spread).softmax(dim=-1)
+    top_p = torch.tensor([[0.5], [0.9], [0.99]])
+    values, order = probs.sort(dim=-1, descending=True)
+    expected = torch.empty_like(probs, dtype=torch.bool).scatter_(1, order, values.cumsum(dim=-1) - values >= top_p)
+    drop = _top_p_drop(probs, top_p)
+    assert torch.equal(drop, expected)
+    assert ((~drop).sum(dim=-1) < probs.shape[1]).all()  # something was dropped in every row

@@ -27,18 +27,23 @@ void ls_set_threads(int32_t n);   // OpenMP threads for every kernel
 // sub_scales is set (the fp32 product), and M_g likewise from super_mins and sub_mins.
 //
 // Layouts (T tiles, L lanes, B = k / 32 blocks, G = k / group groups, P = G / groups_per_super):
-//   codes         uint8 [T, B, chunk, L, 4]: nibbles (bits <= 4): 4 chunks, byte i of chunk j holds inputs
-//                 8j + i (low nibble) and 8j + 4 + i (high); bytes: 8 chunks of inputs 4j + i
+//   codes         uint8 [T, B, chunk, L, 4]: nibbles (bits <= 6): 4 chunks, byte i of chunk j holds the
+//                 low four bits of inputs 8j + i (low nibble) and 8j + 4 + i (high); bytes (8 bits):
+//                 8 chunks of inputs 4j + i
+//   high          uint8 [T, B, bits - 4, L, 4] for 5 and 6 bits (else null): the codes' top bits.
+//                 6 bits: word h, byte i, bits 2j..2j+1 hold input 8j + 4h + i's; 5 bits: one word,
+//                 byte i, bit j + 4h holds input 8j + 4h + i's
 //   super_scales  fp16  [T, P, L]          sub_scales  int8  [T, G, L] or null
 //   super_mins    fp16  [T, P, L] or null  sub_mins    uint8 [T, G, L] or null
 struct ls_tiled_weight {
   int64_t n, k;
-  int32_t bits;              // up to 4: two codes per byte (nibbles); else one per byte
+  int32_t bits;              // 2 to 6: low four bits as nibbles (and a plane for the rest); 8: bytes
   int32_t group;             // 16, or a multiple of 32 dividing x_block
   int32_t groups_per_super;  // 1 for single-level scales
   int32_t zero;              // the constant zero point, or -1 for the mins form
   int32_t x_block;           // inputs per activation scale: 32 or 256 (a multiple of group)
   const uint8_t* codes;
+  const uint8_t* high;
   const uint16_t* super_scales;
   const int8_t* sub_scales;
   const uint16_t* super_mins;

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "api.h"
+#include "runtime.h"
 #include "simd.h"
 
 namespace ls {
@@ -60,7 +61,7 @@ extern "C" void ls_dense_matmul(const float* w, int64_t n, int64_t k, const floa
   const int64_t blocks = (n + ls::kOutputBlock - 1) / ls::kOutputBlock;
   for (int64_t chunk = 0; chunk < rows; chunk += ls::kRowChunk) {
     const int64_t chunk_end = std::min(rows, chunk + ls::kRowChunk);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(ls::threads()) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * ls::kOutputBlock;
       if (n0 + ls::kOutputBlock <= n) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "api.h"
+#include "runtime.h"
 #include "simd.h"
 
 namespace ls {
@@ -212,7 +213,7 @@ void matmul(const ls_quant_weight& w, const float* x_in, int64_t rows, float* ou
   const float* x = kPacked ? split.data() : x_in;
   const Factors scales(w.scales), offsets(w.offsets), super_scales(w.super_scales), super_offsets(w.super_offsets);
   const int64_t groups = scales.width;
-#pragma omp parallel
+#pragma omp parallel num_threads(ls::threads())
   {
     std::vector<float> dots(rows), scale(groups), offset(groups), outer(groups);
 #pragma omp for schedule(static)

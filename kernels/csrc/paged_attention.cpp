@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "api.h"
+#include "runtime.h"
 
 extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim,
                                    const float* k_cache, const float* v_cache, int64_t block_size, int64_t kv_heads,
@@ -27,7 +28,7 @@ extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t h
       row_pos[start + i] = seq_lens[b] - rows + i;
     }
   }
-#pragma omp parallel
+#pragma omp parallel num_threads(ls::threads())
   {
     std::vector<float> scores, acc(group * dim);
 #pragma omp for schedule(dynamic)

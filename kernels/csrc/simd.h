@@ -3,6 +3,9 @@
 // plain C++ (16 lanes in arrays). The kernels read the same way for each; only how a lane
 // gets its value differs, and each variant is one library of its own.
 //
+// or_bits(codes, plane, shift, mask): codes with ((plane >> shift) & mask) << 4 added in
+// each byte (the top bits of 5- and 6-bit codes, kept in a plane of their own).
+//
 // reduce(v): the sum of v's lanes, in one fixed order.
 //
 // dot(acc, w, x4): each 32-bit lane of acc plus the dot product of its four code bytes
@@ -52,6 +55,10 @@ struct Simd {
   static I load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I low_nibbles(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  static I or_bits(I codes, I plane, int shift, int mask) {
+    const I bits = _mm512_and_si512(_mm512_srl_epi32(plane, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(mask));
+    return _mm512_or_si512(codes, _mm512_slli_epi32(bits, 4));
+  }
   template <bool kWide>
   static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -77,6 +84,10 @@ struct Simd {
   static I load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I low_nibbles(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  static I or_bits(I codes, I plane, int shift, int mask) {
+    const I bits = _mm256_and_si256(_mm256_srl_epi32(plane, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(mask));
+    return _mm256_or_si256(codes, _mm256_slli_epi32(bits, 4));
+  }
   // maddubs sums byte pairs into saturating int16: exact while codes stay below 128
   // (2 * 127 * 127 fits). Wider codes are met as signed u - 128 (|u - 128| <= 128 and
   // 2 * 128 * 127 fits), the shift added back as 128 * sum(x) per lane.
@@ -121,6 +132,11 @@ struct Simd {
   static I load_codes(const uint8_t* p) { I r; std::memcpy(r.v, p, sizeof r.v); return r; }
   static I low_nibbles(I w) { for (auto& v : w.v) v &= 0x0F0F0F0F; return w; }
   static I high_nibbles(I w) { for (auto& v : w.v) v = (static_cast<uint32_t>(v) >> 4) & 0x0F0F0F0F; return w; }
+  static I or_bits(I codes, I plane, int shift, int mask) {
+    for (int l = 0; l < kLanes; ++l)
+      codes.v[l] |= static_cast<int32_t>(((static_cast<uint32_t>(plane.v[l]) >> shift) & (mask * 0x01010101u)) << 4);
+    return codes;
+  }
   template <bool kWide>
   static I dot(I acc, I w, int32_t x4) {
     int8_t x[4];

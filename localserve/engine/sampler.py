@@ -72,6 +72,24 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     ]
 
 
+# top_p looks for its tokens among this many best ones first: a partial top-k instead of
+# sorting a 128k-152k vocabulary per row.
+_TOP_P_CANDIDATES = 1024
+
+
+def _top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which tokens top_p drops: those whose better tokens' mass already reaches it.
+    Every kept token is among the best candidates once their mass reaches top_p (any
+    other has at least that much before it); rows whose candidates fall short (a flat
+    distribution) make the whole batch sort every token."""
+    count = min(_TOP_P_CANDIDATES, probs.shape[1])
+    values, order = probs.topk(count, dim=-1)
+    if count < probs.shape[1] and bool((values.sum(dim=-1, keepdim=True) < top_p).any()):
+        values, order = probs.sort(dim=-1, descending=True)
+    drop_sorted = values.cumsum(dim=-1) - values >= top_p
+    return torch.ones_like(probs, dtype=torch.bool).scatter_(1, order, drop_sorted)
+
+
 class Sampler:
     """Stateless; per-request state (history, RNG) arrives in the rows."""
 
@@ -169,9 +187,7 @@ class Sampler:
         top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
         if top_p:
             sub = logits[top_p]
-            probs, order = sub.softmax(dim=-1).sort(dim=-1, descending=True)
-            drop_sorted = probs.cumsum(dim=-1) - probs >= _column([rows[i].params.top_p for i in top_p], device)
-            drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+            drop = _top_p_drop(sub.softmax(dim=-1), _column([rows[i].params.top_p for i in top_p], device))
             logits[top_p] = sub.masked_fill(drop, _NEG_INF)
 
         # min_p: relative to the best token, so renormalising earlier does not change it.

@@ -198,6 +198,7 @@ def iter_gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[tuple[str, to
         if name is None:
             raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a {spec.architecture} model")
         weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
+        gguf.drop_pages(info.name)  # the weight is a copy
         match = _LAYER_TENSOR.fullmatch(info.name)
         if match and isinstance(weight, torch.Tensor) and match[2] in _MOE_NAMES:
             # Stacked experts [E, N, K] -> rows expert after expert, as quantized ones

@@ -210,6 +210,16 @@ class GGUFFile:
         # The parser checked offset + nbytes <= that file's size, so this cannot read past the end.
         return np.frombuffer(self._buffers[info.shard], dtype=np.uint8, count=nbytes, offset=info.offset)
 
+    def drop_pages(self, name: str) -> None:
+        """Done with a tensor's bytes (copied out): its pages leave this process's resident
+        set, which a mapped file's pages would otherwise join for good (the page cache
+        keeps them; a later read faults them back in)."""
+        info = self.tensors[name]
+        if not self._buffers or info.nbytes is None:
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        self._buffers[info.shard].madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+
     def close(self) -> None:
         """Drop the memory maps (every shard's). Views handed out keep a mapping alive until they go."""
         buffers, self._buffers = self._buffers, []

@@ -50,7 +50,8 @@ class ServerConfig:
 
 
 def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
-    """The manager's loader: builds an Engine in the calling (worker) thread."""
+    """The manager's loader: an AsyncEngine, which builds its Engine on its own thread
+    (the calling worker thread waits for it)."""
 
     def load(name: str, path: Path) -> AsyncEngine:
         from ..engine.engine import Engine
@@ -59,11 +60,13 @@ def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
 
         import torch
 
-        try:
-            engine = Engine(path, config.engine, device=config.device, dtype=config.dtype)
-        except torch.OutOfMemoryError as exc:
-            raise InsufficientMemoryError(f"{name}: out of device memory while loading ({exc})") from exc
-        return AsyncEngine(engine, config.max_queued_requests, name, memory_footprint(engine))
+        def make_engine() -> Engine:
+            try:
+                return Engine(path, config.engine, device=config.device, dtype=config.dtype)
+            except torch.OutOfMemoryError as exc:
+                raise InsufficientMemoryError(f"{name}: out of device memory while loading ({exc})") from exc
+
+        return AsyncEngine(make_engine, config.max_queued_requests, name, memory_footprint)
 
     return load
 
