@@ -44,9 +44,10 @@ def build(
 
     def finalize(linear: Linear) -> None:
         linear.finalize(device, dtype, int8_cpu=not exact_cpu_matmul)
+        _return_freed_heap()
 
-    # Each projection is finalized as soon as its last part arrives, so the checkpoint's
-    # layout of a weight is freed before the next is read (the peak stays near one copy).
+    # Each projection is finalized as soon as its last part arrives, and what its
+    # checkpoint layout held is handed back, so the peak stays near one copy of the model.
     load_weights(model, weights, on_complete=finalize)
     for layer, experts in model.experts():
         experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype)
