@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -58,10 +59,17 @@ def build(
 def _return_freed_heap() -> None:
     """glibc keeps the freed checkpoint-layout copies in its heap, resident; give them
     back to the system (elsewhere there is no malloc_trim, and nothing to do)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def _is_expert_slot(slot: Slot) -> bool:
