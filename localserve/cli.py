@@ -90,7 +90,8 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
     options = [
         option("--max-model-len", "Longest prompt + output; default the model's context.", type=int),
         option("--max-num-seqs", "Sequences per step at most.", type=int),
-        option("--max-num-batched-tokens", "Tokens per step at most (long prompts are prefilled in chunks).",
+        option("--max-num-batched-tokens", "Tokens per step at most (long prompts are prefilled in chunks); "
+               "default 512 on the CPU, 2048 on a GPU.",
                type=int),
         option("--gpu-memory-utilization", "Share of the GPU's memory to use; the KV cache gets what the weights "
                "and activations leave.", type=float),

@@ -8,6 +8,7 @@ import pytest
 
 from localserve import Engine, EngineConfig, LocalserveError, SamplingParams
 from localserve.engine.kv_cache import kv_bytes_per_block
+from localserve.engine.scheduler import Scheduler
 from localserve.engine.memory import CPU_DEFAULT_KV_MEMORY, GiB, kv_budget_bytes
 
 
@@ -24,6 +25,16 @@ def test_invalid_options_are_refused() -> None:
                     {"cpu_offload_gb": -1}):
         with pytest.raises(LocalserveError, match="invalid engine option"):
             EngineConfig(**options)
+
+
+def test_step_size_defaults_to_the_device(llama) -> None:
+    # The CPU's step is llama.cpp's micro-batch: bigger steps only grow the activations.
+    path, _ = llama
+    assert Engine(path, device="cpu").config.max_num_batched_tokens == 512
+    assert Engine(path, EngineConfig(max_num_batched_tokens=96), device="cpu").scheduler.step_tokens == 96
+    assert EngineConfig().step_tokens("cuda") == 2048 and EngineConfig().step_tokens("cpu") == 512
+    with pytest.raises(ValueError, match="resolved for a device"):
+        Scheduler(EngineConfig(), None)  # type: ignore[arg-type]
 
 
 def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
@@ -20,7 +20,8 @@ KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4
 class EngineConfig:
     block_size: int = 16  # tokens per KV cache block
     max_num_seqs: int = 64  # sequences in one step at most
-    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step at most
+    # Tokens (prefill chunks + decodes) in one step at most; default: 512 on the CPU, 2048 on a GPU.
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context, capped to what the pool holds
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; default: measured on CUDA, 2 GiB on CPU
@@ -40,7 +41,8 @@ class EngineConfig:
         checks = [
             (self.block_size > 0 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two"),
             (self.max_num_seqs >= 1, "max_num_seqs must be at least 1"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be at least 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             "max_num_batched_tokens must be at least 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be at least 1"),
             (self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory must be positive"),
@@ -56,6 +58,19 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise LocalserveError(f"invalid engine option: {message}")
+
+    def step_tokens(self, device_type: str) -> int:
+        """``max_num_batched_tokens``, or its default for this kind of device.
+
+        A CPU step's activations grow with its tokens while its matmuls stop getting faster
+        past a few hundred rows (each row already reuses every weight tile it loads), so the
+        CPU takes 512-token steps, as llama.cpp's default micro-batch; a GPU fills its SMs
+        with bigger ones."""
+        return self.max_num_batched_tokens or (512 if device_type == "cpu" else 2048)
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """These options with the defaults that depend on the device filled in."""
+        return replace(self, max_num_batched_tokens=self.step_tokens(device_type))
 
     def cpu_threads(self) -> int:
         """``threads``, or the physical cores of the CPUs this process may run on."""

@@ -77,8 +77,8 @@ class Engine:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
     ) -> None:
-        self.config = config or EngineConfig()
         self.device = pick_device(device)
+        self.config = (config or EngineConfig()).for_device(self.device.type)
         checkpoint = open_checkpoint(model)
         self.spec = spec = checkpoint.spec
         self.dtype = pick_dtype(dtype, spec.torch_dtype, self.device)

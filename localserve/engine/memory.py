@@ -110,7 +110,7 @@ def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec,
         return config.kv_cache_memory
     if device.type != "cuda":
         return CPU_DEFAULT_KV_MEMORY
-    step_tokens = min(config.max_num_batched_tokens, max_model_len)
+    step_tokens = min(config.step_tokens(device.type), max_model_len)
     peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization)

@@ -41,6 +41,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        if config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler needs options resolved for a device (EngineConfig.for_device)")
+        self.step_tokens = config.max_num_batched_tokens
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -58,7 +61,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(batch, self.step_tokens)
         if not batch.preempted:  # a step that preempted has a full pool
             budget = self._swap_in(batch, budget)
             if not self.swapped:
