@@ -13,8 +13,9 @@ Three implementations, one definition:
   grouped GEMM reads one expert's weight tile once for a block of its tokens; experts
   no token chose get no programs.
 - ``fused_moe_cpu`` (here): on CPU, one sort groups the (token, expert) pairs; only the
-  experts that were chosen run, each over its rows in one matmul (the fused C++ kernel
-  for quantized experts at decode sizes).
+  experts that were chosen run, each over its rows in one matmul: GGUF's quantized
+  experts through the int8 kernel (x rounded to int8 as llama.cpp rounds it), other
+  quantized experts through the fp32 kernel.
 
 When the experts live on another device than the activations (``cpu_moe``: experts
 in host RAM, the rest on the GPU), the tokens travel to the experts and back.
@@ -23,13 +24,15 @@ in host RAM, the rest on the GPU), the tokens travel to the experts and back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
+from . import cpu_library, quant_linear_cpu
 from .dispatch import use_triton
 from .quant_linear import QuantWeight, concat_rows, linear
+from .quant_linear_cpu import TiledWeight
 
 
 @dataclass(slots=True)
@@ -37,14 +40,21 @@ class ExpertWeights:
     """One projection of every expert, ``[num_experts, out_features, in_features]``:
     a dense tensor of that shape, or a QuantWeight whose rows are the experts' rows one
     expert after another (``num_experts * out_features`` rows) and whose ``perm`` is
-    None; ``perms`` then holds each expert's GPTQ act-order ``[E, in_features]``."""
+    None; ``perms`` then holds each expert's GPTQ act-order ``[E, in_features]``. On the
+    CPU a QuantWeight stack may be tiled for the int8 kernel (``for_int8_kernel``): a
+    TiledWeight whose experts start on tile boundaries."""
 
-    weight: torch.Tensor | QuantWeight
+    weight: torch.Tensor | QuantWeight | TiledWeight
     num_experts: int
     perms: torch.Tensor | None = None
+    # Each expert's view, made once: a CPU decode step takes 16 or more per layer.
+    _views: list[QuantWeight | TiledWeight] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.weight, QuantWeight):
+        if isinstance(self.weight, TiledWeight):
+            if self.weight.out_features % self.num_experts or self.perms is not None:
+                raise ValueError(f"a tiled stack splits into {self.num_experts} experts and has no act-order")
+        elif isinstance(self.weight, QuantWeight):
             if self.weight.perm is not None:
                 raise ValueError("a stacked QuantWeight keeps act-order in perms, not perm")
             if self.weight.out_features % self.num_experts:
@@ -58,44 +68,59 @@ class ExpertWeights:
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.weight, QuantWeight)
+        return not isinstance(self.weight, torch.Tensor)
 
     @property
     def out_features(self) -> int:
-        if isinstance(self.weight, QuantWeight):
-            return self.weight.out_features // self.num_experts
-        return self.weight.shape[1]
+        if isinstance(self.weight, torch.Tensor):
+            return self.weight.shape[1]
+        return self.weight.out_features // self.num_experts
 
     @property
     def in_features(self) -> int:
-        return self.weight.in_features if isinstance(self.weight, QuantWeight) else self.weight.shape[2]
+        return self.weight.shape[2] if isinstance(self.weight, torch.Tensor) else self.weight.in_features
 
     @property
     def device(self) -> torch.device:
-        return self.weight.codes.device if isinstance(self.weight, QuantWeight) else self.weight.device
+        return self.weight.device if isinstance(self.weight, torch.Tensor) else self.weight.codes.device
 
     @property
     def nbytes(self) -> int:
         extra = 0 if self.perms is None else self.perms.numel() * self.perms.element_size()
-        if isinstance(self.weight, QuantWeight):
-            return self.weight.nbytes + extra
-        return self.weight.numel() * self.weight.element_size() + extra
+        if isinstance(self.weight, torch.Tensor):
+            return self.weight.numel() * self.weight.element_size() + extra
+        return self.weight.nbytes + extra
 
-    def expert(self, e: int) -> torch.Tensor | QuantWeight:
+    def expert(self, e: int) -> torch.Tensor | QuantWeight | TiledWeight:
         """Expert ``e``'s ``[out_features, in_features]`` weight (a view)."""
-        if isinstance(self.weight, QuantWeight):
-            n = self.out_features
-            rows = self.weight.row_range(e * n, (e + 1) * n)
-            return rows if self.perms is None else replace(rows, perm=self.perms[e])
-        return self.weight[e]
+        if isinstance(self.weight, torch.Tensor):
+            return self.weight[e]
+        if self._views is None:
+            n, perms = self.out_features, self.perms
+            views = [self.weight.row_range(i * n, (i + 1) * n) for i in range(self.num_experts)]
+            self._views = views if perms is None else [replace(v, perm=perms[i]) for i, v in enumerate(views)]  # type: ignore[type-var]
+        return self._views[e]
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertWeights:
+        if isinstance(self.weight, TiledWeight):
+            if device.type != "cpu":
+                raise ValueError("experts tiled for the CPU's int8 kernel stay on the CPU")
+            return self
         if isinstance(self.weight, QuantWeight):
             weight: torch.Tensor | QuantWeight = self.weight.to(device)
         else:
             weight = self.weight.to(device, dtype or self.weight.dtype)
         perms = None if self.perms is None else self.perms.to(device)
         return ExpertWeights(weight, self.num_experts, perms)
+
+    def for_int8_kernel(self) -> ExpertWeights:
+        """This stack tiled for the CPU's int8 kernel when the kernel takes it and each
+        expert starts on a tile; else itself."""
+        weight = self.weight
+        if (isinstance(weight, QuantWeight) and self.perms is None and cpu_library.available()
+                and self.out_features % cpu_library.lanes() == 0 and quant_linear_cpu.can_tile(weight)):
+            return ExpertWeights(quant_linear_cpu.tile(weight), self.num_experts)
+        return self
 
     @classmethod
     def stack(cls, experts: list[torch.Tensor | QuantWeight]) -> ExpertWeights:
@@ -171,6 +196,10 @@ class ExpertMLP:
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertMLP:
         return ExpertMLP([p.to(device, dtype) for p in self.gate_up], self.down.to(device, dtype))
 
+    def for_int8_kernel(self) -> ExpertMLP:
+        """The projections the CPU's int8 kernel takes, tiled for it (see ExpertWeights)."""
+        return ExpertMLP([p.for_int8_kernel() for p in self.gate_up], self.down.for_int8_kernel())
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``top_k`` experts: gates (fp32 ``[T, k]``, softmax over all experts,
@@ -203,7 +232,7 @@ def fused_moe(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: tor
     return fused_moe_ref(x, experts, gates, ids)
 
 
-Linear = Callable[[torch.Tensor, torch.Tensor | QuantWeight], torch.Tensor]
+Linear = Callable[[torch.Tensor, torch.Tensor | QuantWeight | TiledWeight], torch.Tensor]
 
 
 def expert_mlp(rows: torch.Tensor, experts: ExpertMLP, expert: int, linear: Linear) -> torch.Tensor:

@@ -64,6 +64,24 @@ class TiledWeight:
         tensors = (self.codes, self.high, self.super_scales, self.sub_scales, self.super_mins, self.sub_mins)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    @property
+    def lanes(self) -> int:
+        return self.codes.shape[2]
+
+    def row_range(self, start: int, stop: int) -> TiledWeight:
+        """Output rows ``start:stop`` as views (one expert of a stack), no copy: ``start``
+        begins a tile and ``stop`` ends one or the weight."""
+        if start % self.lanes or (stop % self.lanes and stop != self.out_features) or not 0 <= start < stop:
+            raise ValueError(f"rows {start}:{stop} do not fall on tiles of {self.lanes}")
+        t0, t1 = start // self.lanes, -(-stop // self.lanes)
+
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[t0:t1]
+
+        return TiledWeight(stop - start, self.in_features, self.bits, self.group_size, self.groups_per_super,
+                           self.zero, self.x_block, self.codes[t0:t1], part(self.high), self.super_scales[t0:t1],
+                           part(self.sub_scales), part(self.super_mins), part(self.sub_mins))
+
     def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` as dense ``[len(index), in_features]`` (an embedding lookup),
         exactly the values the QuantWeight's ``dequantize`` gives."""

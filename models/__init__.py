@@ -51,8 +51,9 @@ def build(
     # checkpoint layout held is handed back, so the peak stays near one copy of the model.
     load_weights(model, weights, on_complete=finalize)
     for layer, experts in model.experts():
-        experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype)
-    _return_freed_heap()
+        experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype,
+                         int8_cpu=not exact_cpu_matmul)
+        _return_freed_heap()
     return model.eval()
 
 

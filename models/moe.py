@@ -56,10 +56,14 @@ class Experts(nn.Module):
         except ValueError as exc:  # experts quantized unlike each other
             raise LocalserveError(f"experts' {projection} projections cannot be stacked: {exc}") from exc
 
-    def finalize(self, device: torch.device, dtype: torch.dtype) -> None:
+    def finalize(self, device: torch.device, dtype: torch.dtype, int8_cpu: bool = True) -> None:
+        """Stack the experts on ``device``; on the CPU, with ``int8_cpu``, the projections
+        the int8 kernel takes are tiled for it, as ``Linear.finalize`` does."""
         gate, up, down = (self._stacked(p) for p in PROJECTIONS)
-        self.mlp = ExpertMLP.from_projections(gate, up, down).to(device, dtype)
         self.parts = {}
+        self.mlp = ExpertMLP.from_projections(gate, up, down).to(device, dtype)
+        if device.type == "cpu" and int8_cpu:
+            self.mlp = self.mlp.for_int8_kernel()
 
     @property
     def nbytes(self) -> int:

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from localserve import Engine, EngineConfig
+from localserve.kernels import cpu_library
+from localserve.kernels.quant_linear_cpu import TiledWeight
 from localserve.models.moe import SparseMoE
 
 from .conftest import hf_logits, random_prompt, relative_error
@@ -53,7 +55,10 @@ def logits_and_router_margins(engine: Engine, prompt: list[int]) -> tuple[torch.
 
 def check_against_oracles(path, model) -> None:
     prompt = [1, *random_prompt(47, seed=11)]
-    ours, margins = logits_and_router_margins(Engine(path, EngineConfig(num_kv_blocks=32), device="cpu"), prompt)
+    engine = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu")
+    if cpu_library.available():  # the experts run on the int8 kernel, as llama.cpp's do
+        assert all(isinstance(e.mlp.down.weight, TiledWeight) for _, e in engine.model.experts())
+    ours, margins = logits_and_router_margins(engine, prompt)
     # fp32 activations in every matmul, as the dequantized fp32 model computes them.
     exact_engine = Engine(path, EngineConfig(num_kv_blocks=32, exact_cpu_matmul=True), device="cpu")
     exact, _ = logits_and_router_margins(exact_engine, prompt)

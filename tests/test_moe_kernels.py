@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from localserve.formats.gguf_quants import gguf_to_weight
-from localserve.kernels.moe import ExpertMLP, ExpertWeights, fused_moe, fused_moe_cpu, route
+from localserve.kernels import cpu_library
+from localserve.kernels.moe import ExpertMLP, ExpertWeights, expert_mlp, fused_moe, fused_moe_cpu, route
 from localserve.kernels.moe_ref import fused_moe_ref
+from localserve.kernels.quant_linear import QuantWeight, quant_linear_ref, quantize_activations
+from localserve.kernels.quant_linear_cpu import TiledWeight
 
 E, H, I = 8, 64, 96
 
@@ -115,3 +118,49 @@ def test_stacking_rejects_unlike_experts() -> None:
         ExpertWeights.stack(experts)
     with pytest.raises(ValueError):
         ExpertWeights.stack([torch.randn(I, H), experts[0]])
+
+
+needs_kernels = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels are not built")
+
+
+def rounded_linear(x: torch.Tensor, weight: object) -> torch.Tensor:
+    """The int8 path's definition: x rounded per block as llama.cpp rounds it, then the
+    dequantized weight."""
+    assert isinstance(weight, QuantWeight)
+    return quant_linear_ref(quantize_activations(x, weight.int8_block), weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["Q8_0", "Q4_0 gate/up, Q4_1 down", "gate and up unlike (not fused)"])
+def test_gguf_experts_run_on_the_int8_kernel(case: str) -> None:
+    experts = make_experts(*CASES[case])
+    tiled = experts.for_int8_kernel()
+    assert all(isinstance(p.weight, TiledWeight) for p in (*tiled.gate_up, tiled.down))
+    assert tiled.nbytes > 0 and tiled.num_experts == E and tiled.intermediate_size == I
+    gates, ids = routing(40, 2, "random", seed=3)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(3))
+    ours = fused_moe(x, tiled, gates, ids)
+    expected = torch.zeros_like(ours)
+    for t in range(40):
+        for gate, e in zip(gates[t].tolist(), ids[t].tolist()):
+            expected[t] += gate * expert_mlp(x[t:t + 1], experts, e, rounded_linear)[0]
+    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    # Not the fp32-activation path: the rounding is there.
+    assert not torch.allclose(ours, fused_moe_ref(x, experts, gates, ids), rtol=1e-6, atol=0)
+    # Each token's output is the same bits whatever else is in the step.
+    for rows in (1, 2, 7, 33):
+        assert torch.equal(fused_moe(x[:rows], tiled, gates[:rows], ids[:rows]), ours[:rows])
+
+
+@needs_kernels
+def test_experts_the_int8_kernel_cannot_take_stay_as_they_are() -> None:
+    for case in ("dense", "act-order per expert"):
+        experts = make_experts(*CASES[case])
+        tiled = experts.for_int8_kernel()
+        assert all(a.weight is b.weight for a, b in zip((*tiled.gate_up, tiled.down), (*experts.gate_up, experts.down)))
+    # Experts whose rows do not start on a tile boundary (a stack of 3 rows each) stay too.
+    odd = ExpertWeights.stack([quantized(torch.randn(3, 64), "Q8_0") for _ in range(4)])
+    assert odd.for_int8_kernel() is odd
+    with pytest.raises(ValueError, match="tiles"):
+        experts = make_experts("Q8_0", "Q8_0", "Q8_0").for_int8_kernel()
+        experts.down.weight.row_range(3, 64)  # type: ignore[union-attr]
