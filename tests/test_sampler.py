@@ -86,7 +86,9 @@ def run_steps(seed: int, step_logits: list[torch.Tensor], others: int) -> list[i
     """Decode len(step_logits) steps for one seeded row at index 1 of a batch with `others` rows."""
     sampler = Sampler()
     target = make_row(prompt=[3, 4], seed=seed, temperature=0.9, top_p=0.95, repetition_penalty=1.1)
-    companions = [make_row(seed=(None if j % 2 else 100 + j), temperature=1.3) for j in range(others)]
+    # Companions with top_p of their own redraw in the same steps as the target may.
+    companions = [make_row(seed=(None if j % 2 else 100 + j), temperature=1.3, top_p=0.5 if j % 3 else 1.0)
+                  for j in range(others)]
     tokens = []
     for logits in step_logits:
         rows = companions[:1] + [target] + companions[1:]
@@ -233,14 +235,73 @@ def test_empty_batch() -> None:
     assert out.token_ids == [] and out.logprobs == []
 
 
-@pytest.mark.parametrize("spread", [8.0, 0.01])  # peaked: the partial top-k holds top_p; flat: every token sorted
-def test_top_p_on_a_large_vocabulary_equals_the_full_sort(spread: float) -> None:
-    from localserve.engine.sampler import _top_p_drop
+def kept_by_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition by a full sort: a token stays while the mass before it is below top_p."""
+    values, order = probs.sort(descending=True)
+    return order[(values.cumsum(0) - values) < top_p]
 
-    probs = (torch.randn(3, 151_936, generator=torch.Generator().manual_seed(3)) * spread).softmax(dim=-1)
-    top_p = torch.tensor([[0.5], [0.9], [0.99]])
-    values, order = probs.sort(dim=-1, descending=True)
-    expected = torch.empty_like(probs, dtype=torch.bool).scatter_(1, order, values.cumsum(dim=-1) - values >= top_p)
-    drop = _top_p_drop(probs, top_p)
-    assert torch.equal(drop, expected)
-    assert ((~drop).sum(dim=-1) < probs.shape[1]).all()  # something was dropped in every row
+
+def test_top_p_at_a_real_vocabulary_follows_the_kept_tokens() -> None:
+    """Five tokens hold half the mass and 152k others the rest; top_p 0.4 keeps three of
+    the five, drawn in proportion, whatever the tail."""
+    vocab, draws = 151_936, 400
+    head = torch.tensor([0.2, 0.12, 0.09, 0.05, 0.04])
+    probs = torch.full((vocab,), 0.5 / (vocab - 5))
+    favoured = torch.tensor([7, 150_000, 3, 90_000, 12])
+    probs[favoured] = head
+    kept = kept_by_top_p(probs, 0.4)
+    assert sorted(kept.tolist()) == sorted(favoured[:3].tolist())
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        rows = [make_row(top_p=0.4) for _ in range(draws)]
+        ids = torch.tensor(Sampler()(probs.log().expand(draws, -1).clone(), rows).token_ids)
+    counts = torch.stack([(ids == f).sum() for f in favoured])
+    assert int(counts.sum()) == draws
+    assert_follows(counts, torch.cat([head[:3] / head[:3].sum(), torch.zeros(2)]))
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.01])  # peaked, and flat: the kept set is most of the vocabulary
+def test_top_p_draws_only_kept_tokens(spread: float) -> None:
+    logits = torch.randn(151_936, generator=torch.Generator().manual_seed(3)) * spread
+    for top_p in (0.5, 0.99):
+        kept = set(kept_by_top_p(logits.softmax(0), top_p).tolist())
+        rows = [make_row(top_p=top_p, seed=s) for s in range(64)]
+        ids = Sampler()(logits.expand(64, -1).clone(), rows).token_ids
+        assert set(ids) <= kept
+
+
+def test_a_draw_at_the_top_of_the_range_takes_the_last_token_with_mass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The uniform draw times the total mass may round up to the total itself: the token
+    picked is then the last one with mass, never a filtered one after it."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -math.inf, -math.inf]] * 2)
+    largest_below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, float(largest_below_one)))
+    assert Sampler()(logits, [make_row(), make_row(seed=3)]).token_ids == [2, 2]
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(shape))
+    assert Sampler()(logits, [make_row(), make_row(seed=3)]).token_ids == [0, 0]
+
+
+def test_sampling_at_a_real_vocabulary_follows_the_distribution() -> None:
+    """152k tokens, the mass on a few: those are drawn in proportion, the rest never."""
+    vocab, draws = 151_936, 400
+    logits = torch.full((draws, vocab), -30.0)
+    favoured = torch.tensor([5, 70_000, 151_935])
+    logits[:, favoured] = PROBS[:3].log()
+    with torch.random.fork_rng():
+        torch.manual_seed(99)
+        ids = torch.tensor(Sampler()(logits, [make_row() for _ in range(draws)]).token_ids)
+    assert set(ids.tolist()) <= set(favoured.tolist())
+    counts = torch.stack([(ids == f).sum() for f in favoured])
+    assert_follows(counts, PROBS[:3] / PROBS[:3].sum())
+
+
+def test_logits_an_extreme_penalty_overflowed_still_give_a_token() -> None:
+    logits = torch.tensor([[1.0, float("nan"), 2.0], [float("inf"), 1.0, float("inf")]])
+    for params in ({}, {"top_p": 0.5}, {"min_p": 0.1}):
+        ids = Sampler()(logits, [make_row(**params), make_row(seed=1, **params)]).token_ids
+        assert all(0 <= i < 3 for i in ids)
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_best_token() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 4)
+    assert Sampler()(logits, [make_row(top_p=5e-324, seed=s) for s in range(4)]).token_ids == [1] * 4

@@ -3,6 +3,8 @@
 Order (as in vLLM/HF/OpenAI): min_tokens suppression -> repetition penalty ->
 presence/frequency penalties -> logit bias -> greedy argmax, or temperature -> top_k ->
 top_p -> min_p -> sample. Logprobs are reported from the raw logits, before any of that.
+Nothing sorts the vocabulary: top_k takes a partial top-k, top_p tests drawn tokens
+(see ``_sample``), and a draw is one cumulative sum.
 """
 
 from __future__ import annotations
@@ -72,22 +74,15 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     ]
 
 
-# top_p looks for its tokens among this many best ones first: a partial top-k instead of
-# sorting a 128k-152k vocabulary per row.
-_TOP_P_CANDIDATES = 1024
-
-
-def _top_p_drop(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Which tokens top_p drops: those whose better tokens' mass already reaches it.
-    Every kept token is among the best candidates once their mass reaches top_p (any
-    other has at least that much before it); rows whose candidates fall short (a flat
-    distribution) make the whole batch sort every token."""
-    count = min(_TOP_P_CANDIDATES, probs.shape[1])
-    values, order = probs.topk(count, dim=-1)
-    if count < probs.shape[1] and bool((values.sum(dim=-1, keepdim=True) < top_p).any()):
-        values, order = probs.sort(dim=-1, descending=True)
-    drop_sorted = values.cumsum(dim=-1) - values >= top_p
-    return torch.ones_like(probs, dtype=torch.bool).scatter_(1, order, drop_sorted)
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row, the token where the cumulative weight passes ``u`` times the
+    row's total (``u`` in [0, 1)), token i with probability ``weights_i / total``."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Below the total, so the first entry above the target is a token of non-zero weight.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    # A row of NaN (logits an extreme penalty overflowed) finds no entry: keep it in range.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
 
 
 class Sampler:
@@ -182,33 +177,51 @@ class Sampler:
             kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
             logits[top_k] = sub.masked_fill(sub < kth, _NEG_INF)
 
-        # top_p: drop a token once the mass of the better tokens already reaches top_p;
-        # the best token has zero mass before it, so it always survives.
-        top_p = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
-        if top_p:
-            sub = logits[top_p]
-            drop = _top_p_drop(sub.softmax(dim=-1), _column([rows[i].params.top_p for i in top_p], device))
-            logits[top_p] = sub.masked_fill(drop, _NEG_INF)
+        probs = logits.softmax(dim=-1)  # what top_p and min_p judge
+        weights = probs  # what is drawn from: zero for what min_p drops
 
-        # min_p: relative to the best token, so renormalising earlier does not change it.
+        # min_p: relative to the best token, so renormalising after top_p does not change it.
         min_p = [i for i, r in enumerate(rows) if r.params.min_p > 0]
         if min_p:
-            sub = logits[min_p]
-            probs = sub.softmax(dim=-1)
-            floor = _column([rows[i].params.min_p for i in min_p], device) * probs.max(dim=-1, keepdim=True).values
-            logits[min_p] = sub.masked_fill(probs < floor, _NEG_INF)
+            sub = probs[min_p]
+            floor = _column([rows[i].params.min_p for i in min_p], device) * sub.max(dim=-1, keepdim=True).values
+            weights = probs.clone()
+            weights[min_p] = sub.masked_fill(sub < floor, 0.0)
 
-        # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i.
-        # Each seeded row draws exactly `vocab` numbers from its own generator per step, so
-        # its tokens do not depend on what else is in the batch.
-        probs = logits.softmax(dim=-1)
-        q = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        # q == 0 is possible in principle; 0/0 would be NaN, which argmax treats as the max.
-        q.clamp_(min=torch.finfo(torch.float32).tiny)
-        return (probs / q).argmax(dim=-1)
+        # One uniform number per row and draw; a seeded row draws from its own generator
+        # only, so its tokens do not depend on what else is in the batch.
+        def uniforms(batch: list[int]) -> torch.Tensor:
+            u = torch.empty(len(batch), 1, device=device)
+            unseeded = [j for j, i in enumerate(batch) if rows[i].generator is None]
+            if unseeded:
+                u[unseeded] = torch.rand(len(unseeded), 1, device=device)
+            for j, i in enumerate(batch):
+                if rows[i].generator is not None:
+                    u[j] = torch.rand(1, generator=rows[i].generator, device=device)
+            return u
+
+        tokens = _draw(weights, uniforms(list(range(len(rows)))))
+
+        # top_p keeps a token while the mass of the tokens better than it is below top_p
+        # (ties at the edge stay). Rather than sort a 128k-152k vocabulary per row, test
+        # the drawn token: if it is not kept, neither is any token as likely or less, so
+        # they leave the row and it draws again. What is accepted follows the kept tokens'
+        # distribution; each draw is accepted with probability at least top_p, and the
+        # best token always is, so the loop ends.
+        top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+        pending = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
+        while pending:
+            whole = len(pending) == len(rows)  # the first round of an all-top_p batch: no copies
+            sub = probs if whole else probs[pending]
+            drawn = sub.gather(1, (tokens if whole else tokens[pending]).unsqueeze(1))
+            better = torch.where(sub > drawn, sub, 0.0).sum(dim=-1)
+            # better == 0: a best token, kept even when top_p rounds to 0 in float32.
+            rejected = ((better >= top_p[pending]) & (better > 0)).tolist()
+            pending = [i for i, no in zip(pending, rejected) if no]
+            if pending:
+                if weights is probs:
+                    weights = probs.clone()
+                pivot = drawn[[j for j, no in enumerate(rejected) if no]]
+                weights[pending] = weights[pending].masked_fill(probs[pending] <= pivot, 0.0)
+                tokens[pending] = _draw(weights[pending], uniforms(pending))
+        return tokens
