@@ -125,7 +125,7 @@ def test_int8_kernel_equals_reference_on_rounded_x(bits: int, blocks: tuple[int,
     assert torch.equal(tiled.dequantize(), dequantize(weight))
     index = torch.tensor([[39, 0], [17, 17]])
     assert torch.equal(tiled.dequantize_rows(index), dequantize(weight)[index])
-    x = torch.randn(6, weight.in_features)
+    x = torch.randn(20, weight.in_features)  # past 16 rows the K-quants take the widened-panel path
     x[0, :x_block] = 0  # an all-zero block
     x[-1, x_block:2 * x_block] *= 1000  # blocks of very different ranges
     ours = int8_linear(x, tiled)
@@ -179,9 +179,9 @@ def test_other_built_variants_compute_the_same_sums() -> None:
         for bits, blocks, form in [(4, (32, 256), "mins"), (8, (32, 32), "zeros"), (6, (16, 256), "zeros")]:
             weight = make_gguf_like(bits, blocks[0], form, blocks[1])
             tiled = tile(weight, lanes=lib.ls_lanes())
-            x = torch.randn(7, weight.in_features)
-            out = torch.empty(7, weight.out_features)
-            lib.ls_int8_matmul(ctypes.byref(tiled.desc), x.data_ptr(), 7, out.data_ptr())
+            x = torch.randn(20, weight.in_features)  # K-quants: past 16 rows, the widened-panel path
+            out = torch.empty(20, weight.out_features)
+            lib.ls_int8_matmul(ctypes.byref(tiled.desc), x.data_ptr(), 20, out.data_ptr())
             rounded = quantize_activations(x, blocks[1])
             magnitude = rounded.abs() @ dequantize(weight).abs().T
             assert ((out - quant_linear_ref(rounded, weight)).abs() <= 1e-5 * magnitude).all(), name

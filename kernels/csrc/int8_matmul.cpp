@@ -16,9 +16,12 @@
 // A tile is kLanes output rows; one vector holds a four-input word of each, so a dot step
 // (vpdpbusd on AVX-512 VNNI) meets a broadcast four-input word of x. Tiles of rows of x
 // (kRows) share each loaded code vector, and kTiles tiles share each broadcast of x.
+// Few rows meet the codes as stored (nibbles and top-bit planes unpacked as they load);
+// many rows of a K-quant (prefill) meet them widened to bytes once per panel of inputs.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "api.h"
@@ -79,38 +82,130 @@ int32_t word(const int8_t* p) {
   return v;
 }
 
-// kRows rows of x (from row0) against kTiles tiles (from tile0); results for every lane
-// into total [kRows][kTiles * kLanes].
-template <int kRows, int kTiles, int kHigh, bool kTwoLevel, bool kMins>
-void tile_block(const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0, int64_t tile0, float* total) {
-  constexpr bool kNibbles = kHigh >= 0;
-  constexpr int64_t kInputsPerChunk = kNibbles ? 8 : 4;
-  const int64_t k = w.k, groups = xq.groups, supers = groups / w.groups_per_super;
-  const int64_t chunks_per_tile = k / kInputsPerChunk, chunks_per_group = w.group / kInputsPerChunk;
-  const int64_t groups_per_x_block = w.x_block / w.group;
-  const int8_t* q[kRows];
-  for (int r = 0; r < kRows; ++r) q[r] = xq.q.data() + (row0 + r) * k;
+// Where the codes and group scales come from, for kTiles tiles from tile0. A chunk is the
+// inputs one code vector covers: 8 for nibbles (two vectors, inputs 0-3 and 4-7, unpacked
+// as they are loaded) or 4 for bytes.
+template <int kTiles, int kHigh, bool kTwoLevel, bool kMins>
+struct TiledCodes {
+  static constexpr bool kNibbles = kHigh >= 0;
+  static constexpr int kInputs = kNibbles ? 8 : 4, kParts = kNibbles ? 2 : 1;
+  static constexpr bool kWide = kHigh < 0;  // codes may reach 255
+  static constexpr bool kMinsForm = kMins;
+  const ls_tiled_weight& w;
+  int64_t tile0, groups, supers;
   const uint8_t *codes[kTiles], *high_planes[kTiles];
-  for (int t = 0; t < kTiles; ++t) {
-    codes[t] = w.codes + (tile0 + t) * chunks_per_tile * kLanes * 4;
-    if constexpr (kHigh > 0) high_planes[t] = w.high + (tile0 + t) * (k / 32) * kHigh * kLanes * 4;
-  }
-  for (int i = 0; i < kRows * kTiles * kLanes; ++i) total[i] = 0.0f;
 
-  for (int64_t g0 = 0, xb = 0; g0 < groups; g0 += groups_per_x_block, ++xb) {
+  TiledCodes(const ls_tiled_weight& weight, int64_t first_tile)
+      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super) {
+    for (int t = 0; t < kTiles; ++t) {
+      codes[t] = w.codes + (tile0 + t) * (w.k / kInputs) * kLanes * 4;
+      high_planes[t] = kHigh > 0 ? w.high + (tile0 + t) * (w.k / 32) * kHigh * kLanes * 4 : nullptr;
+    }
+  }
+
+  void load(int t, int64_t c, I parts[kParts]) const {
+    const I codes_word = Simd::load_codes(codes[t] + c * kLanes * 4);
+    if constexpr (!kNibbles) {
+      parts[0] = codes_word;
+    } else {
+      I low = Simd::low_nibbles(codes_word), high = Simd::high_nibbles(codes_word);
+      if constexpr (kHigh > 0) {  // 5- and 6-bit codes: their top bits from the plane
+        const uint8_t* plane = high_planes[t] + (c / 4) * kHigh * kLanes * 4;
+        const int within = static_cast<int>(c % 4);
+        if constexpr (kHigh == 2) {
+          low = Simd::or_bits(low, Simd::load_codes(plane), 2 * within, 0x03);
+          high = Simd::or_bits(high, Simd::load_codes(plane + kLanes * 4), 2 * within, 0x03);
+        } else {
+          const I bits = Simd::load_codes(plane);
+          low = Simd::or_bits(low, bits, within, 0x01);
+          high = Simd::or_bits(high, bits, 4 + within, 0x01);
+        }
+      }
+      parts[0] = low;
+      parts[1] = high;
+    }
+  }
+
+  F scale(int t, int64_t g) const {
+    const int64_t tile = tile0 + t;
+    F s = Simd::load_half(w.super_scales + (tile * supers + g / w.groups_per_super) * kLanes);
+    if constexpr (kTwoLevel) s = Simd::mul(s, Simd::load_i8(w.sub_scales + (tile * groups + g) * kLanes));
+    return s;
+  }
+
+  F min(int t, int64_t g) const {
+    const int64_t tile = tile0 + t;
+    F m = Simd::load_half(w.super_mins + (tile * supers + g / w.groups_per_super) * kLanes);
+    if constexpr (kTwoLevel) m = Simd::mul(m, Simd::load_u8(w.sub_mins + (tile * groups + g) * kLanes));
+    return m;
+  }
+};
+
+// The codes of one panel of inputs (kPanel, or what is left of k) of kTiles tiles widened
+// to bytes, and their groups' scales as floats: made once, then met by every row of x.
+// For many rows this beats unpacking nibbles and high planes again for each block of rows.
+constexpr int64_t kPanel = 256;
+
+template <int kTiles>
+struct Panel {
+  alignas(64) uint8_t codes[kTiles][kPanel / 4][kLanes * 4];
+  alignas(64) float scales[kPanel / 16][kTiles][kLanes];
+  alignas(64) float mins[kPanel / 16][kTiles][kLanes];
+};
+
+// A panel as a source of codes: small, passed by value like TiledCodes.
+template <int kTiles, bool kMins>
+struct PanelCodes {
+  static constexpr int kInputs = 4, kParts = 1;
+  static constexpr bool kWide = false;  // widened nibble codes stay below 128
+  static constexpr bool kMinsForm = kMins;
+  Panel<kTiles>* panel;
+  int64_t chunk0 = 0, group0 = 0;
+
+  template <class Source>
+  void fill(const Source& source, int64_t x0, int64_t length, int64_t group) {
+    chunk0 = x0 / kInputs;
+    group0 = x0 / group;
+    for (int t = 0; t < kTiles; ++t)
+      for (int64_t c = 0; c < length / Source::kInputs; ++c) {
+        I parts[Source::kParts];
+        source.load(t, x0 / Source::kInputs + c, parts);
+        for (int p = 0; p < Source::kParts; ++p) Simd::store_codes(panel->codes[t][c * Source::kParts + p], parts[p]);
+      }
+    for (int64_t g = 0; g < length / group; ++g)
+      for (int t = 0; t < kTiles; ++t) {
+        Simd::storef(panel->scales[g][t], source.scale(t, group0 + g));
+        if constexpr (kMins) Simd::storef(panel->mins[g][t], source.min(t, group0 + g));
+      }
+  }
+
+  void load(int t, int64_t c, I parts[1]) const { parts[0] = Simd::load_codes(panel->codes[t][c - chunk0]); }
+  F scale(int t, int64_t g) const { return Simd::loadf(panel->scales[g - group0][t]); }
+  F min(int t, int64_t g) const { return Simd::loadf(panel->mins[g - group0][t]); }
+};
+
+// kRows rows of x (from row0) against kTiles tiles, x blocks [xb0, xb1): each block's sum
+// added into total [kRows][kTiles * kLanes]. The one place the sums are formed, whatever
+// the codes' source, so a row's result is the same bits by either path. Kept out of line:
+// inlined, GCC 12 spends registers on copies of the accumulators (measured: 10-20% slower).
+template <int kRows, int kTiles, class Codes>
+[[gnu::noinline]] void add_x_blocks(const Codes codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0,
+                                    int64_t xb0, int64_t xb1, float* total) {
+  constexpr int kParts = Codes::kParts;
+  const int64_t groups = xq.groups, groups_per_x_block = w.x_block / w.group;
+  const int64_t chunks_per_group = w.group / Codes::kInputs;
+  const int8_t* q[kRows];
+  for (int r = 0; r < kRows; ++r) q[r] = xq.q.data() + (row0 + r) * xq.k;
+
+  for (int64_t xb = xb0; xb < xb1; ++xb) {
     F block[kRows][kTiles];
     for (int r = 0; r < kRows; ++r)
       for (int t = 0; t < kTiles; ++t) block[r][t] = Simd::zerof();
-    for (int64_t g = g0; g < g0 + groups_per_x_block; ++g) {
+    for (int64_t g = xb * groups_per_x_block; g < (xb + 1) * groups_per_x_block; ++g) {
       F scale[kTiles], min[kTiles];
       for (int t = 0; t < kTiles; ++t) {
-        const int64_t tile = tile0 + t;
-        scale[t] = Simd::load_half(w.super_scales + (tile * supers + g / w.groups_per_super) * kLanes);
-        if constexpr (kTwoLevel) scale[t] = Simd::mul(scale[t], Simd::load_i8(w.sub_scales + (tile * groups + g) * kLanes));
-        if constexpr (kMins) {
-          min[t] = Simd::load_half(w.super_mins + (tile * supers + g / w.groups_per_super) * kLanes);
-          if constexpr (kTwoLevel) min[t] = Simd::mul(min[t], Simd::load_u8(w.sub_mins + (tile * groups + g) * kLanes));
-        }
+        scale[t] = codes.scale(t, g);
+        if constexpr (Codes::kMinsForm) min[t] = codes.min(t, g);
       }
       I dots[kRows][kTiles];
       for (int r = 0; r < kRows; ++r) {
@@ -118,36 +213,19 @@ void tile_block(const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0, int6
         for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(start);
       }
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        const int64_t at = c * kInputsPerChunk;
-        for (int t = 0; t < kTiles; ++t) {
-          const I codes_word = Simd::load_codes(codes[t] + c * kLanes * 4);
-          if constexpr (kNibbles) {
-            I low = Simd::low_nibbles(codes_word), high = Simd::high_nibbles(codes_word);
-            if constexpr (kHigh > 0) {  // 5- and 6-bit codes: their top bits from the plane
-              const uint8_t* plane = high_planes[t] + (c / 4) * kHigh * kLanes * 4;
-              const int within = static_cast<int>(c % 4);
-              if constexpr (kHigh == 2) {
-                low = Simd::or_bits(low, Simd::load_codes(plane), 2 * within, 0x03);
-                high = Simd::or_bits(high, Simd::load_codes(plane + kLanes * 4), 2 * within, 0x03);
-              } else {
-                const I bits = Simd::load_codes(plane);
-                low = Simd::or_bits(low, bits, within, 0x01);
-                high = Simd::or_bits(high, bits, 4 + within, 0x01);
-              }
-            }
-            for (int r = 0; r < kRows; ++r) {
-              dots[r][t] = Simd::dot<false>(dots[r][t], low, word(q[r] + at));
-              dots[r][t] = Simd::dot<false>(dots[r][t], high, word(q[r] + at + 4));
-            }
-          } else {
-            for (int r = 0; r < kRows; ++r) dots[r][t] = Simd::dot<(kHigh < 0)>(dots[r][t], codes_word, word(q[r] + at));
+        const int64_t at = c * Codes::kInputs;
+        I parts[kTiles][kParts];
+        for (int t = 0; t < kTiles; ++t) codes.load(t, c, parts[t]);
+        for (int r = 0; r < kRows; ++r)
+          for (int p = 0; p < kParts; ++p) {
+            const int32_t x4 = word(q[r] + at + 4 * p);
+            for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::dot<Codes::kWide>(dots[r][t], parts[t][p], x4);
           }
-        }
       }
       for (int r = 0; r < kRows; ++r)
         for (int t = 0; t < kTiles; ++t) {
           block[r][t] = Simd::fmadd(Simd::to_float(dots[r][t]), scale[t], block[r][t]);
-          if constexpr (kMins)
+          if constexpr (Codes::kMinsForm)
             block[r][t] = Simd::fnmadd(min[t], Simd::set1f(xq.q_sum_f[(row0 + r) * groups + g]), block[r][t]);
         }
     }
@@ -161,55 +239,122 @@ void tile_block(const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0, int6
   }
 }
 
-// Every row of x against kTiles tiles from tile0: blocks of four rows, then two, then one.
-template <int kTiles, int kHigh, bool kTwoLevel, bool kMins>
-void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0, float* out) {
-  float total[4 * kTiles * kLanes];
-  const auto write = [&](int64_t row0, int block_rows) {
-    for (int r = 0; r < block_rows; ++r)
-      for (int t = 0; t < kTiles; ++t)
-        for (int l = 0; l < kLanes; ++l) {
-          const int64_t n = (tile0 + t) * kLanes + l;
-          if (n < w.n) out[(row0 + r) * w.n + n] = total[(r * kTiles + t) * kLanes + l];
-        }
-  };
+// Every row of x in blocks of four, then two, then one: each(Rows<n>(), row0) for each.
+template <int kRows>
+using Rows = std::integral_constant<int, kRows>;
+
+template <class Each>
+void row_blocks(int64_t rows, Each each) {
   int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    tile_block<4, kTiles, kHigh, kTwoLevel, kMins>(w, xq, r, tile0, total);
-    write(r, 4);
-  }
-  for (; r + 2 <= rows; r += 2) {
-    tile_block<2, kTiles, kHigh, kTwoLevel, kMins>(w, xq, r, tile0, total);
-    write(r, 2);
-  }
-  for (; r < rows; ++r) {
-    tile_block<1, kTiles, kHigh, kTwoLevel, kMins>(w, xq, r, tile0, total);
-    write(r, 1);
-  }
+  for (; r + 4 <= rows; r += 4) each(Rows<4>(), r);
+  for (; r + 2 <= rows; r += 2) each(Rows<2>(), r);
+  for (; r < rows; ++r) each(Rows<1>(), r);
 }
 
-// Pairs of tiles split over the threads (one output row block each), a last odd tile alone.
-template <int kHigh, bool kTwoLevel, bool kMins>
-void matmul(const ls_tiled_weight& w, const float* x, int64_t rows, float* out) {
-  constexpr int kPair = 2;
-  const Int8Rows xq = quantize_rows(x, rows, w);
-  const int64_t tiles = (w.n + kLanes - 1) / kLanes, pairs = tiles / kPair;
-#pragma omp parallel for num_threads(ls::threads()) schedule(static)
-  for (int64_t p = 0; p <= pairs; ++p) {
-    if (p < pairs)
-      tile_rows<kPair, kHigh, kTwoLevel, kMins>(w, xq, rows, p * kPair, out);
-    else if (tiles % kPair)
-      tile_rows<1, kHigh, kTwoLevel, kMins>(w, xq, rows, p * kPair, out);
+// Rows' totals [rows][kTiles * kLanes] into out, dropping the padding lanes of a last tile.
+template <int kTiles>
+void write_rows(const ls_tiled_weight& w, const float* total, int64_t row0, int64_t rows, int64_t tile0, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int t = 0; t < kTiles; ++t)
+      for (int l = 0; l < kLanes; ++l) {
+        const int64_t n = (tile0 + t) * kLanes + l;
+        if (n < w.n) out[(row0 + r) * w.n + n] = total[(r * kTiles + t) * kLanes + l];
+      }
+}
+
+// Few rows: each block of rows meets the tiles' codes as they are stored, all of k at once.
+template <int kTiles, class Codes>
+void tile_rows_direct(const Codes& codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0,
+                      float* out) {
+  float total[4 * kTiles * kLanes];
+  row_blocks(rows, [&](auto block_rows, int64_t row0) {
+    constexpr int kRows = decltype(block_rows)::value;
+    std::fill(total, total + kRows * kTiles * kLanes, 0.0f);
+    add_x_blocks<kRows, kTiles>(codes, w, xq, row0, 0, w.k / w.x_block, total);
+    write_rows<kTiles>(w, total, row0, kRows, tile0, out);
+  });
+}
+
+// Many rows: panel by panel, every row meets the panel's widened codes.
+template <int kTiles, bool kMins, class Codes>
+void tile_rows_by_panel(const Codes& codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows,
+                        int64_t tile0, float* out) {
+  std::vector<float> total(rows * kTiles * kLanes, 0.0f);
+  Panel<kTiles> buffer;
+  PanelCodes<kTiles, kMins> panel{&buffer};
+  for (int64_t x0 = 0; x0 < w.k; x0 += kPanel) {
+    const int64_t length = std::min(kPanel, w.k - x0);
+    panel.fill(codes, x0, length, w.group);
+    row_blocks(rows, [&](auto block_rows, int64_t row0) {
+      constexpr int kRows = decltype(block_rows)::value;
+      add_x_blocks<kRows, kTiles>(panel, w, xq, row0, x0 / w.x_block, (x0 + length) / w.x_block,
+                                  total.data() + row0 * kTiles * kLanes);
+    });
   }
+  write_rows<kTiles>(w, total.data(), 0, rows, tile0, out);
+}
+
+// The K-quants (two-level scales; Q5_K and Q6_K with a plane of top bits) widen their codes
+// and scales once per panel from this many rows. Measured against the direct path: at 16
+// rows Q4_K 1.0x, Q5_K and Q6_K 1.3-1.4x; at 64 to 512 rows (prefill) 1.2-1.9x. The
+// single-scale types (Q4_0, Q8_0) unpack in a step or two and gain nothing: they stay direct.
+constexpr int64_t kPanelRows = 16;
+
+template <int kTiles, int kHigh, bool kTwoLevel, bool kMins>
+void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0, float* out) {
+  const TiledCodes<kTiles, kHigh, kTwoLevel, kMins> codes(w, tile0);
+  if (kTwoLevel && rows >= kPanelRows)
+    tile_rows_by_panel<kTiles, kMins>(codes, w, xq, rows, tile0, out);
+  else
+    tile_rows_direct<kTiles>(codes, w, xq, rows, tile0, out);
+}
+
+// The row kernels for one weight's code and scale form: over a pair of tiles, or one.
+using TileRows = void (*)(const ls_tiled_weight&, const Int8Rows&, int64_t, int64_t, float*);
+struct TileKernels {
+  TileRows pair, single;
+};
+
+template <int kHigh, bool kTwoLevel, bool kMins>
+TileKernels kernels_of() {
+  return {&tile_rows<2, kHigh, kTwoLevel, kMins>, &tile_rows<1, kHigh, kTwoLevel, kMins>};
 }
 
 template <int kHigh>
-void matmul_for_scales(const ls_tiled_weight& w, const float* x, int64_t rows, float* out) {
+TileKernels kernels_for_scales(const ls_tiled_weight& w) {
   const bool two_level = w.sub_scales != nullptr, mins = w.zero < 0;
-  if (two_level)
-    mins ? matmul<kHigh, true, true>(w, x, rows, out) : matmul<kHigh, true, false>(w, x, rows, out);
-  else
-    mins ? matmul<kHigh, false, true>(w, x, rows, out) : matmul<kHigh, false, false>(w, x, rows, out);
+  if (two_level) return mins ? kernels_of<kHigh, true, true>() : kernels_of<kHigh, true, false>();
+  return mins ? kernels_of<kHigh, false, true>() : kernels_of<kHigh, false, false>();
+}
+
+TileKernels kernels_for(const ls_tiled_weight& w) {
+  switch (w.bits) {
+    case 5: return kernels_for_scales<1>(w);
+    case 6: return kernels_for_scales<2>(w);
+    case 8: return kernels_for_scales<-1>(w);
+    default: return kernels_for_scales<0>(w);  // 2 to 4 bits
+  }
+}
+
+// A weight's work splits into tasks: pairs of tiles, then a last odd tile alone.
+int64_t tile_tasks(const ls_tiled_weight& w) {
+  const int64_t tiles = (w.n + kLanes - 1) / kLanes;
+  return tiles / 2 + tiles % 2;
+}
+
+void run_tile_task(const TileKernels& kernels, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows,
+                   int64_t task, float* out) {
+  const int64_t tiles = (w.n + kLanes - 1) / kLanes;
+  (2 * task + 1 < tiles ? kernels.pair : kernels.single)(w, xq, rows, 2 * task, out);
+}
+
+// Tasks split over the threads (one output column block each).
+void matmul(const ls_tiled_weight& w, const float* x, int64_t rows, float* out) {
+  const TileKernels kernels = kernels_for(w);
+  const Int8Rows xq = quantize_rows(x, rows, w);
+  const int64_t tasks = tile_tasks(w);
+#pragma omp parallel for num_threads(ls::threads()) schedule(static)
+  for (int64_t task = 0; task < tasks; ++task) run_tile_task(kernels, w, xq, rows, task, out);
 }
 
 }  // namespace
@@ -219,14 +364,7 @@ extern "C" {
 
 int32_t ls_lanes() { return ls::kLanes; }
 
-void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out) {
-  switch (w->bits) {
-    case 5: ls::matmul_for_scales<1>(*w, x, rows, out); break;
-    case 6: ls::matmul_for_scales<2>(*w, x, rows, out); break;
-    case 8: ls::matmul_for_scales<-1>(*w, x, rows, out); break;
-    default: ls::matmul_for_scales<0>(*w, x, rows, out); break;  // 2 to 4 bits
-  }
-}
+void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out) { ls::matmul(*w, x, rows, out); }
 
 void ls_tiled_dequantize_rows(const ls_tiled_weight* w, const int64_t* index, int64_t count, float* out) {
   using ls::kLanes;

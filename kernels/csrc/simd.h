@@ -53,6 +53,7 @@ struct Simd {
   using I = __m512i;
   using F = __m512;
   static I load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static void store_codes(uint8_t* p, I v) { _mm512_storeu_si512(p, v); }
   static I low_nibbles(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
   static I or_bits(I codes, I plane, int shift, int mask) {
@@ -82,6 +83,7 @@ struct Simd {
   using I = __m256i;
   using F = __m256;
   static I load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static void store_codes(uint8_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static I low_nibbles(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
   static I or_bits(I codes, I plane, int shift, int mask) {
@@ -130,6 +132,7 @@ struct Simd {
   struct I { int32_t v[kLanes]; };
   struct F { float v[kLanes]; };
   static I load_codes(const uint8_t* p) { I r; std::memcpy(r.v, p, sizeof r.v); return r; }
+  static void store_codes(uint8_t* p, I v) { std::memcpy(p, v.v, sizeof v.v); }
   static I low_nibbles(I w) { for (auto& v : w.v) v &= 0x0F0F0F0F; return w; }
   static I high_nibbles(I w) { for (auto& v : w.v) v = (static_cast<uint32_t>(v) >> 4) & 0x0F0F0F0F; return w; }
   static I or_bits(I codes, I plane, int shift, int mask) {
