@@ -61,8 +61,8 @@ class KVCache:
         """A cache; ``dtype`` int8 or float8_e4m3fn makes it 8-bit, with scales. A float
         cache in (unpinned) host memory is left unwritten, so its pages become resident as
         blocks are first used instead of all at start (no kernel reads a slot no sequence
-        has written, and NaN there cannot leak); the others are zeroed (the reference
-        dequantizes whole 8-bit blocks before masking)."""
+        has written, and the reference zeroes those it gathers, so NaN there cannot leak);
+        the others are zeroed (the reference dequantizes whole 8-bit blocks before masking)."""
         lazy = torch.device(device).type == "cpu" and not pin_memory and not is_8bit(dtype)
 
         def make(*shape: int, dtype: torch.dtype) -> torch.Tensor:

@@ -142,6 +142,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     k = gather_kv(k_cache, k_scale, tables, num_blocks, query.dtype)
     v = gather_kv(v_cache, v_scale, tables, num_blocks, query.dtype)
     mask = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None].long()
+    # Slots past a sequence's length may never have been written (a float cache in host
+    # memory is allocated uninitialized, see KVCache.allocate), and the mask alone does not
+    # stop a NaN there: it poisons the scores (NaN + -inf) and P @ V (0 * NaN). Zero them
+    # in the gathered copies (fresh tensors, not views of the cache).
+    padding = ~mask[:, None, :, None]
+    k.masked_fill_(padding, 0)
+    v.masked_fill_(padding, 0)
     o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
                                        enable_gqa=query.shape[1] != k_cache.shape[2])
     return o.squeeze(2)

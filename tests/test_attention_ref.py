@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
+from localserve.kernels import attention_ref
 from localserve.kernels.attention_ref import dequantize_kv, quantize_kv
+
+from .attention_batches import MIXED, Batch, assert_close
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
@@ -77,6 +80,19 @@ def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.
     out = paged_attention(torch.cat(queries), cache, meta, scale)
     expected = torch.cat([naive_attention(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.int8)])
+def test_unwritten_slots_do_not_leak_into_the_reference(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """A CPU float cache starts uninitialized (KVCache.allocate), and the reference is the
+    CPU path without the compiled kernels: NaN in slots no sequence has written (a block's
+    tail, table padding) must not reach a decode row through the masked SDPA."""
+    batch = Batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16, dtype=dtype, cache_dtype=cache_dtype)
+    batch.write_with_reference()
+    out = attention_ref.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                        *batch.scales)
+    assert_close(out, batch.reference())
 
 
 @pytest.mark.parametrize("dtype", EIGHT_BIT)
