@@ -54,6 +54,8 @@ _SIGNATURES = {
     "ls_lanes": (ctypes.c_int32, []),
     "ls_set_threads": (None, [ctypes.c_int32]),
     "ls_int8_matmul": (None, [ctypes.POINTER(TiledWeightDesc), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
+    "ls_grouped_int8_matmul": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_void_p]),
     "ls_tiled_dequantize_rows": (None, [ctypes.POINTER(TiledWeightDesc), ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_void_p]),
     "ls_float_matmul": (None, [ctypes.POINTER(QuantWeightDesc), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),

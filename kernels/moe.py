@@ -13,9 +13,10 @@ Three implementations, one definition:
   grouped GEMM reads one expert's weight tile once for a block of its tokens; experts
   no token chose get no programs.
 - ``fused_moe_cpu`` (here): on CPU, one sort groups the (token, expert) pairs; only the
-  experts that were chosen run, each over its rows in one matmul: GGUF's quantized
-  experts through the int8 kernel (x rounded to int8 as llama.cpp rounds it), other
-  quantized experts through the fp32 kernel.
+  experts that were chosen run, each over its rows: GGUF's quantized experts through the
+  int8 kernel (x rounded to int8 as llama.cpp rounds it), every chosen expert of a
+  projection in one grouped call; other experts one matmul each (the fp32 kernel for
+  GPTQ/AWQ).
 
 When the experts live on another device than the activations (``cpu_moe``: experts
 in host RAM, the rest on the GPU), the tokens travel to the experts and back.
@@ -23,6 +24,7 @@ in host RAM, the rest on the GPU), the tokens travel to the experts and back.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -49,6 +51,8 @@ class ExpertWeights:
     perms: torch.Tensor | None = None
     # Each expert's view, made once: a CPU decode step takes 16 or more per layer.
     _views: list[QuantWeight | TiledWeight] | None = field(default=None, init=False, repr=False, compare=False)
+    # A tiled stack's experts as one table for the grouped int8 kernel, made once.
+    _table: ctypes.Array | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.weight, TiledWeight):
@@ -100,6 +104,15 @@ class ExpertWeights:
             views = [self.weight.row_range(i * n, (i + 1) * n) for i in range(self.num_experts)]
             self._views = views if perms is None else [replace(v, perm=perms[i]) for i, v in enumerate(views)]  # type: ignore[type-var]
         return self._views[e]
+
+    def grouped_linear(self, x: torch.Tensor, ids: list[int], counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` grouped by expert (``counts[i]`` rows for expert ``ids[i]``, one
+        group after another) through their experts in one call: tiled stacks only."""
+        if not isinstance(self.weight, TiledWeight):
+            raise TypeError("grouped_linear runs tiled stacks (for_int8_kernel)")
+        if self._table is None:
+            self._table = quant_linear_cpu.weight_table([self.expert(e) for e in range(self.num_experts)])  # type: ignore[misc]
+        return quant_linear_cpu.grouped_int8_linear(x, self._table, ids, counts, self.out_features)
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertWeights:
         if isinstance(self.weight, TiledWeight):
@@ -190,6 +203,11 @@ class ExpertMLP:
         return self.down.quantized or any(p.quantized for p in self.gate_up)
 
     @property
+    def tiled(self) -> bool:
+        """gate_up as one tiled stack, and down tiled: the grouped int8 kernel runs them."""
+        return len(self.gate_up) == 1 and all(isinstance(p.weight, TiledWeight) for p in (*self.gate_up, self.down))
+
+    @property
     def nbytes(self) -> int:
         return self.down.nbytes + sum(p.nbytes for p in self.gate_up)
 
@@ -245,7 +263,8 @@ def expert_mlp(rows: torch.Tensor, experts: ExpertMLP, expert: int, linear: Line
 
 def fused_moe_cpu(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Group the (token, expert) pairs with one sort and run only the chosen experts,
-    each once over all of its rows."""
+    each once over all of its rows: tiled experts all in one grouped kernel call per
+    projection, others one expert after another."""
     num_tokens, top_k = ids.shape
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # pair indices, grouped by expert
@@ -254,6 +273,14 @@ def fused_moe_cpu(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids:
     rows = x.index_select(0, tokens)
     pair_gates = gates.reshape(-1).index_select(0, order).float().unsqueeze(1)
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    if experts.tiled:
+        chosen = [e for e, count in enumerate(counts) if count]
+        chosen_counts = [counts[e] for e in chosen]
+        hidden = experts.gate_up[0].grouped_linear(rows, chosen, chosen_counts)
+        gate, up = hidden.split(experts.intermediate_size, dim=-1)
+        y = experts.down.grouped_linear(F.silu(gate) * up, chosen, chosen_counts)
+        out.index_add_(0, tokens, y * pair_gates)  # each token's k outputs summed in fp32
+        return out.to(x.dtype)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:

@@ -173,6 +173,34 @@ def int8_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None 
     return out.view(*x.shape[:-1], weight.out_features).to(x.dtype)
 
 
+def weight_table(weights: list[TiledWeight]) -> ctypes.Array:
+    """The weights' descriptors as the array ``grouped_int8_linear`` takes (keep the
+    weights alive as long as the table)."""
+    forms = {(w.shape, w.bits, w.group_size, w.groups_per_super, w.zero, w.x_block, w.lanes,
+              w.high is None, w.sub_scales is None, w.super_mins is None, w.sub_mins is None) for w in weights}
+    if len(forms) != 1:
+        raise ValueError("a weight table holds weights of one shape and form")
+    return (ctypes.POINTER(cpu_library.TiledWeightDesc) * len(weights))(*[ctypes.pointer(w.desc) for w in weights])
+
+
+def grouped_int8_linear(x: torch.Tensor, table: ctypes.Array, ids: list[int], counts: list[int],
+                        out_features: int) -> torch.Tensor:
+    """Groups of rows of ``x [rows, k]``, one after another, each through its own weight
+    of ``table`` (all of one shape and form): group ``i``'s ``counts[i]`` rows through
+    ``table[ids[i]]``. One call for every group (a mixture of experts' chosen experts);
+    each row as ``int8_linear`` computes it alone. ``ids`` and ``counts`` are a few Python
+    ints, checked here without a torch op (a decode step makes two such calls per layer)."""
+    flat = x.float().contiguous()
+    if len(ids) != len(counts) or min(counts, default=0) < 0 or sum(counts) != flat.shape[0]:
+        raise ValueError(f"groups of {counts} rows do not make up {flat.shape[0]}")
+    if not all(0 <= i < len(table) for i in ids):
+        raise IndexError(f"a weight index is outside the table of {len(table)}")
+    out = torch.empty(flat.shape[0], out_features)
+    _library().ls_grouped_int8_matmul(table, (ctypes.c_int64 * len(ids))(*ids), (ctypes.c_int64 * len(counts))(*counts),
+                                      len(ids), flat.data_ptr(), out.data_ptr())
+    return out
+
+
 def float_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight.perm is not None:
         x = x.index_select(-1, weight.perm)

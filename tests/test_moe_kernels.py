@@ -137,6 +137,8 @@ def test_gguf_experts_run_on_the_int8_kernel(case: str) -> None:
     tiled = experts.for_int8_kernel()
     assert all(isinstance(p.weight, TiledWeight) for p in (*tiled.gate_up, tiled.down))
     assert tiled.nbytes > 0 and tiled.num_experts == E and tiled.intermediate_size == I
+    # Fused gate_up: every chosen expert in one grouped call per projection; else one by one.
+    assert tiled.tiled == (case != "gate and up unlike (not fused)")
     gates, ids = routing(40, 2, "random", seed=3)
     x = torch.randn(40, H, generator=torch.Generator().manual_seed(3))
     ours = fused_moe(x, tiled, gates, ids)

@@ -13,7 +13,8 @@ import torch
 from localserve.kernels import cpu_library, quant_linear_cpu
 from localserve.kernels.quant_linear import (QuantWeight, dequantize, linear, pack_codes, quant_linear,
                                              quant_linear_ref, quantize_activations)
-from localserve.kernels.quant_linear_cpu import TiledWeight, can_tile, float_linear, int8_linear, tile
+from localserve.kernels.quant_linear_cpu import (TiledWeight, can_tile, float_linear, grouped_int8_linear, int8_linear,
+                                                 tile, weight_table)
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels were not built")
 
@@ -153,6 +154,30 @@ def test_int8_kernel_is_batch_invariant(bits: int, blocks: tuple[int, int], form
     assert torch.equal(together, alone)
     for rows in ROW_COUNTS:
         assert torch.equal(int8_linear(x[-rows:], tiled), together[-rows:])
+
+
+@pytest.mark.parametrize("bits,blocks,form", [(6, (16, 256), "zeros"), (4, (32, 256), "mins"), (8, (32, 32), "zeros")])
+def test_grouped_kernel_gives_each_group_its_weights_result(bits: int, blocks: tuple[int, int], form: str) -> None:
+    """Groups of rows through their own weights (the chosen experts of a stack, three
+    tiles each: a pair and an odd one) in one call: each group the same bits as its
+    rows alone through its weight, in any order, an empty group skipped."""
+    stack = tile(make_gguf_like(bits, blocks[0], form, blocks[1], n=4 * 48))
+    weights = [stack.row_range(48 * e, 48 * (e + 1)) for e in range(4)]
+    table = weight_table(weights)
+    ids, counts = [2, 0, 1, 3], [20, 1, 0, 5]  # 20 rows: a K-quant's panel path
+    x = torch.randn(26, stack.in_features)
+    out = grouped_int8_linear(x, table, ids, counts, 48)
+    start = 0
+    for e, count in zip(ids, counts):
+        assert torch.equal(out[start:start + count], int8_linear(x[start:start + count], weights[e]))
+        start += count
+    for bad_counts in ([20, 1, 0, 4], [21, -1, 0, 5], [20, 1, 5]):
+        with pytest.raises(ValueError, match="make up"):
+            grouped_int8_linear(x, table, ids, bad_counts, 48)
+    with pytest.raises(IndexError, match="outside the table"):
+        grouped_int8_linear(x, table, [2, 0, 1, 4], counts, 48)
+    with pytest.raises(ValueError, match="one shape and form"):
+        weight_table([weights[0], stack.row_range(0, 32)])
 
 
 def test_quantize_activations_rounds_to_127_levels_per_block() -> None:

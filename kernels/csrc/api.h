@@ -56,6 +56,13 @@ struct ls_tiled_weight {
 // that row: the same bits whatever else is in the batch.
 void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out);
 
+// Grouped rows through weights of one shape and form (a mixture of experts' chosen experts):
+// x [rows, k] holds groups of rows one after another, group i's counts[i] rows taken
+// through weights[ids[i]] into the same rows of out [rows, n]; each row as ls_int8_matmul
+// computes it alone.
+void ls_grouped_int8_matmul(const ls_tiled_weight* const* weights, const int64_t* ids, const int64_t* counts,
+                            int64_t groups, const float* x, float* out);
+
 // Rows `index[0..count)` of the tiled weight dequantized to fp32, into out [count, k].
 void ls_tiled_dequantize_rows(const ls_tiled_weight* w, const int64_t* index, int64_t count, float* out);
 

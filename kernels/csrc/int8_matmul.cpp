@@ -35,13 +35,25 @@ using I = Simd::I;
 using F = Simd::F;
 constexpr int kLanes = Simd::kLanes;
 
-// x rounded to int8, row by row.
+// x rounded to int8, row by row: a view of rows of an Int8Buffer.
 struct Int8Rows {
   int64_t k, x_blocks, groups;
-  std::vector<int8_t> q;       // [rows, k]
-  std::vector<float> d;        // [rows, x_blocks]
-  std::vector<int32_t> q_sum;  // [rows, groups]: sum of q over each weight group
-  std::vector<float> q_sum_f;  // the same as floats (the mins form)
+  const int8_t* q;         // [rows, k]
+  const float* d;          // [rows, x_blocks]
+  const int32_t* q_sum;    // [rows, groups]: sum of q over each weight group
+  const float* q_sum_f;    // the same as floats (the mins form)
+
+  Int8Rows from(int64_t row) const {
+    return {k, x_blocks, groups, q + row * k, d + row * x_blocks, q_sum + row * groups, q_sum_f + row * groups};
+  }
+};
+
+struct Int8Buffer {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> q_sum;
+  std::vector<float> q_sum_f;
+  Int8Rows rows;
 };
 
 void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int8_t* q, float* d, int32_t* q_sum,
@@ -65,15 +77,18 @@ void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int
   }
 }
 
-Int8Rows quantize_rows(const float* x, int64_t rows, const ls_tiled_weight& w) {
+// Rows of x rounded for weights of w's k, x_block and group.
+void quantize_rows(const float* x, int64_t rows, const ls_tiled_weight& w, Int8Buffer& out) {
   const int64_t k = w.k, x_blocks = k / w.x_block, groups = k / w.group;
-  Int8Rows out{k, x_blocks, groups, std::vector<int8_t>(rows * k), std::vector<float>(rows * x_blocks),
-               std::vector<int32_t>(rows * groups), std::vector<float>(rows * groups)};
+  out.q.resize(rows * k);
+  out.d.resize(rows * x_blocks);
+  out.q_sum.resize(rows * groups);
+  out.q_sum_f.resize(rows * groups);
+  out.rows = {k, x_blocks, groups, out.q.data(), out.d.data(), out.q_sum.data(), out.q_sum_f.data()};
 #pragma omp parallel for num_threads(ls::threads()) schedule(static) if (rows > 1)
   for (int64_t m = 0; m < rows; ++m)
     quantize_row(x + m * k, k, w.x_block, w.group, out.q.data() + m * k, out.d.data() + m * x_blocks,
                  out.q_sum.data() + m * groups, out.q_sum_f.data() + m * groups);
-  return out;
 }
 
 int32_t word(const int8_t* p) {
@@ -195,7 +210,7 @@ template <int kRows, int kTiles, class Codes>
   const int64_t groups = xq.groups, groups_per_x_block = w.x_block / w.group;
   const int64_t chunks_per_group = w.group / Codes::kInputs;
   const int8_t* q[kRows];
-  for (int r = 0; r < kRows; ++r) q[r] = xq.q.data() + (row0 + r) * xq.k;
+  for (int r = 0; r < kRows; ++r) q[r] = xq.q + (row0 + r) * xq.k;
 
   for (int64_t xb = xb0; xb < xb1; ++xb) {
     F block[kRows][kTiles];
@@ -348,13 +363,26 @@ void run_tile_task(const TileKernels& kernels, const ls_tiled_weight& w, const I
   (2 * task + 1 < tiles ? kernels.pair : kernels.single)(w, xq, rows, 2 * task, out);
 }
 
-// Tasks split over the threads (one output column block each).
-void matmul(const ls_tiled_weight& w, const float* x, int64_t rows, float* out) {
-  const TileKernels kernels = kernels_for(w);
-  const Int8Rows xq = quantize_rows(x, rows, w);
-  const int64_t tasks = tile_tasks(w);
-#pragma omp parallel for num_threads(ls::threads()) schedule(static)
-  for (int64_t task = 0; task < tasks; ++task) run_tile_task(kernels, w, xq, rows, task, out);
+// Groups of rows of x, each through its own weight (all of one n, k and form): group i's
+// counts[i] rows (after the groups before it) through weights[ids[i]] into the same rows
+// of out [rows, n]. Every group's tile tasks split over the threads at once; a task's
+// output depends on its rows and weight alone, however the tasks fall.
+void grouped_matmul(const ls_tiled_weight* const* weights, const int64_t* ids, const int64_t* counts, int64_t groups,
+                    const float* x, float* out) {
+  const ls_tiled_weight& first = *weights[ids[0]];
+  const TileKernels kernels = kernels_for(first);
+  const int64_t tasks_per_group = tile_tasks(first);
+  std::vector<int64_t> row0(groups + 1, 0);
+  for (int64_t i = 0; i < groups; ++i) row0[i + 1] = row0[i] + counts[i];
+  Int8Buffer xq;
+  quantize_rows(x, row0[groups], first, xq);
+#pragma omp parallel for num_threads(ls::threads()) schedule(static) if (groups * tasks_per_group > 1)
+  for (int64_t task = 0; task < groups * tasks_per_group; ++task) {
+    const int64_t i = task / tasks_per_group;
+    if (counts[i] > 0)
+      run_tile_task(kernels, *weights[ids[i]], xq.rows.from(row0[i]), counts[i], task % tasks_per_group,
+                    out + row0[i] * first.n);
+  }
 }
 
 }  // namespace
@@ -364,7 +392,15 @@ extern "C" {
 
 int32_t ls_lanes() { return ls::kLanes; }
 
-void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out) { ls::matmul(*w, x, rows, out); }
+void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out) {
+  const int64_t first = 0;
+  ls::grouped_matmul(&w, &first, &rows, 1, x, out);
+}
+
+void ls_grouped_int8_matmul(const ls_tiled_weight* const* weights, const int64_t* ids, const int64_t* counts,
+                            int64_t groups, const float* x, float* out) {
+  if (groups > 0) ls::grouped_matmul(weights, ids, counts, groups, x, out);
+}
 
 void ls_tiled_dequantize_rows(const ls_tiled_weight* w, const int64_t* index, int64_t count, float* out) {
   using ls::kLanes;
