@@ -241,7 +241,8 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
     """Run the daemon: an OpenAI-compatible HTTP API (/v1), the admin API (/api),
     /health and /metrics, on one port. Every option can also come from the
     environment (LOCALSERVE_<OPTION>) or a config file; SIGTERM drains and exits,
-    SIGHUP reloads the model list."""
+    SIGHUP reloads the model list. Registry models are served on request; with no
+    --model, the built-in `demo` model is loaded at start."""
     from .logs import configure_logging
     from .server.app import ServerConfig
     from .server.model_manager import parse_keep_alive
@@ -254,9 +255,12 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
     from .registry import default_home
+    from .registry.builtin import DEMO
 
+    # With no --model, the built-in demo model is loaded at start: a fresh machine serves it.
     server_config = ServerConfig(
-        models=sources, registry_home=default_home(), preload=list(sources), engine=engine_config(options), device=device, dtype=dtype,
+        models=sources, registry_home=default_home(), preload=list(sources) or [str(DEMO.name)],
+        engine=engine_config(options), device=device, dtype=dtype,
         host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)

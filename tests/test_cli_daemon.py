@@ -52,7 +52,7 @@ def test_the_daemon_serves_what_the_registry_holds_now(home: Path) -> None:
     registry = open_registry(home)
     with running_server(daemon_config(home)) as server:
         listed = httpx.get(f"{server.url}/v1/models").json()["data"]
-        assert [card["id"] for card in listed] == ["chatty:latest", "stories:latest"]
+        assert [card["id"] for card in listed] == ["chatty:latest", "demo:latest", "stories:latest"]
         answer = complete(server.url, "stories")  # the tag defaults to latest
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"].startswith(STORY)
         assert list(server.state.manager.loaded) == ["stories:latest"]

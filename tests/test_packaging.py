@@ -98,6 +98,7 @@ def test_wheel_has_the_mapped_packages_data_and_entry_point(dists: tuple[Path, P
     assert not [name for name in names if "/csrc/" in name]  # sources stay in the sdist
     assert {f"localserve/models/{p.name}" for p in (ROOT / "models").glob("*.py")} <= names
     assert {f"localserve/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")} <= names
+    assert {"localserve/demo/stories260K.gguf", "localserve/demo/LICENSE"} <= names  # the built-in demo model
     assert entry_points["console_scripts"]["localserve"] == "localserve.cli:main"
 
 
@@ -107,7 +108,8 @@ def test_sdist_carries_what_builds_the_packages(dists: tuple[Path, Path]) -> Non
     for script in ("build-deb.sh", "install.sh", "hooks/postinst", "hooks/prerm", "hooks/postrm"):
         assert members[f"packaging/{script}"].mode & 0o111, f"packaging/{script} is not executable"
     assert {"packaging/lib.sh", "packaging/files.txt", "tests/conftest.py", "scripts/test.sh",
-            "setup.py", "kernels/csrc/int8_matmul.cpp", "kernels/csrc/api.h", "kernels/csrc/simd.h"} <= members.keys()
+            "setup.py", "kernels/csrc/int8_matmul.cpp", "kernels/csrc/api.h", "kernels/csrc/simd.h",
+            "localserve/demo/stories260K.gguf", "localserve/demo/LICENSE"} <= members.keys()
     assert {source for kind, _, source, _ in MANIFEST if kind != "link"} <= members.keys()
     assert not [name for name in members if "__pycache__" in name]
 
@@ -147,6 +149,9 @@ def test_wheel_runs_in_a_fresh_venv(dists: tuple[Path, Path], hf_continuation: s
     result = run([str(venv / "bin" / "localserve"), "run", str(STORIES_HF), PROMPT, "--raw", "--max-tokens", "16",
                   "--device", "cpu"], cwd=tmp_path, env=env)
     assert result.stdout.strip() == hf_continuation
+    demo = run([str(venv / "bin" / "localserve"), "run", "demo", PROMPT, "--max-tokens", "16", "--device", "cpu"],
+               cwd=tmp_path, env=env)  # the built-in model, from the wheel's package data
+    assert demo.stdout.startswith(", there was a little girl named Lily")
 
 
 def deb_listing(deb: Path) -> dict[str, str]:

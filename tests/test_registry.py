@@ -46,6 +46,7 @@ def test_bad_file_names_are_refused(name: str) -> None:
 
 def test_blobs_are_content_addressed_and_verified(tmp_path: Path) -> None:
     registry = open_registry(tmp_path / "home")
+    builtin = sorted(p.name for p in registry.blobs.root.iterdir())  # the demo model's
     source = tmp_path / "data.bin"
     source.write_bytes(b"hello" * 1000)
     digest = registry.blobs.add_file(source)
@@ -53,7 +54,7 @@ def test_blobs_are_content_addressed_and_verified(tmp_path: Path) -> None:
     assert registry.blobs.verify(digest)
     with pytest.raises(LocalserveError, match="does not match"):
         registry.blobs.add_file(source, expected="sha256-" + "0" * 64)
-    assert sorted(p.name for p in registry.blobs.root.iterdir()) == [digest]  # nothing half-written left
+    assert sorted(p.name for p in registry.blobs.root.iterdir()) == sorted([*builtin, digest])  # nothing half-written
     registry.blobs.path(digest).write_bytes(b"tampered")
     assert not registry.blobs.verify(digest)
     for bad in ["sha256-../../x", "md5-abc", "sha256-" + "g" * 64]:
@@ -73,7 +74,7 @@ def test_import_gguf_and_hf_then_generate(tmp_path: Path) -> None:
         "config.json": "config", "generation_config.json": "config", "model.safetensors": "weights",
         "tokenizer.json": "tokenizer", "tokenizer_config.json": "tokenizer"}
     assert hf.parameters == gguf.parameters > 0 and hf.context_length == 512
-    assert [str(r.name) for r in registry.list()] == ["stories:f32", "stories260k-hf:latest"]
+    assert [str(r.name) for r in registry.list()] == ["demo:latest", "stories:f32", "stories260k-hf:latest"]
     for name in ("stories:f32", "stories260k-hf"):
         text = LLM(registry.path(name)).generate("Once upon a time",
                                                  SamplingParams(temperature=0, max_tokens=8))[0].text
@@ -91,18 +92,19 @@ def test_rm_keeps_shared_blobs(tmp_path: Path) -> None:
     assert registry.path("b").is_dir()
     freed = registry.remove("b")
     assert len(freed) == 5 and set(os.listdir(registry.blobs.root)) == before - set(freed)
-    assert [str(r.name) for r in registry.list()] == ["g:latest"]
+    assert [str(r.name) for r in registry.list()] == ["demo:latest", "g:latest"]
     with pytest.raises(LocalserveError, match="not in the registry"):
         registry.remove("b")
 
 
 def test_a_broken_checkpoint_registers_nothing(tmp_path: Path) -> None:
     registry = open_registry(tmp_path / "home")
+    models, blobs = registry.list(), sorted(registry.blobs.root.iterdir())  # the built-in demo
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(LocalserveError):
         import_local(registry, broken)
-    assert registry.list() == [] and list(registry.blobs.root.iterdir()) == []
+    assert registry.list() == models and sorted(registry.blobs.root.iterdir()) == blobs
 
 
 def test_add_refuses_hostile_file_entries(tmp_path: Path) -> None:
@@ -115,7 +117,7 @@ def test_add_refuses_hostile_file_entries(tmp_path: Path) -> None:
         with pytest.raises(LocalserveError):
             registry.add(record)
     assert not (tmp_path / "home" / "escape.gguf").exists()
-    assert [str(r.name) for r in registry.list()] == ["g:latest"]  # unchanged
+    assert [str(r.name) for r in registry.list()] == ["demo:latest", "g:latest"]  # unchanged
 
 
 def test_cli_verbs(tmp_path: Path) -> None:
@@ -131,9 +133,10 @@ def test_cli_verbs(tmp_path: Path) -> None:
     assert invoke("cp", "stories", "tale:v1").exit_code == 0
     listing = invoke("list")
     assert listing.exit_code == 0
-    assert [line.split()[0] for line in listing.output.splitlines()] == ["NAME", "stories:latest", "tale:v1"]
+    assert [line.split()[0] for line in listing.output.splitlines()] == ["NAME", "demo:latest", "stories:latest",
+                                                                         "tale:v1"]
     rows = json.loads(invoke("list", "--json").output)
-    assert {row["name"] for row in rows} == {"stories:latest", "tale:v1"}
+    assert {row["name"] for row in rows} == {"demo:latest", "stories:latest", "tale:v1"}
     shown = json.loads(invoke("show", "tale:v1", "--json").output)
     assert shown["architecture"] == "llama" and shown["layers"] == 5
     run = invoke("run", "stories", "Once upon a time", "--max-tokens", "12", "--kv-cache-memory", "64MiB")
@@ -145,4 +148,50 @@ def test_cli_verbs(tmp_path: Path) -> None:
     bad = invoke("pull", str(STORIES_GGUF), "--name", "../evil")
     assert bad.exit_code != 0 and "not a valid model name" in bad.output
     assert invoke("rm", "tale:v1").exit_code == 0
+    assert invoke("rm", "demo").exit_code == 0
     assert invoke("list").output.splitlines() == ["NAME  FORMAT  ARCH  PARAMS  QUANTIZATION  SIZE"]
+
+
+def test_a_new_registry_has_the_built_in_demo_model(tmp_path: Path) -> None:
+    """stories260K ships in the package (no ../shared, no network): a new registry lists
+    it as `demo`, `rm` removes it, and naming it brings it back."""
+    from localserve.model_info import model_info
+    from localserve.registry.builtin import DEMO
+
+    runner = CliRunner(env={"LOCALSERVE_HOME": str(tmp_path / "home")})
+    listing = runner.invoke(main, ["list", "--json"])
+    assert listing.exit_code == 0, listing.output
+    [row] = json.loads(listing.output)
+    assert row["name"] == "demo:latest" and row["source"].startswith("built-in")
+    # The facts written in builtin.py are the file's.
+    info, _ = model_info(DEMO.path)
+    assert (row["format"], row["architecture"], row["quantization"], row["parameters"], row["context_length"],
+            row["license"]) == (info["format"], info["architecture"], info["quantization"], info["parameters"],
+                                info["context_length"], info["license"])
+    run = runner.invoke(main, ["run", "demo", "Once upon a time", "--max-tokens", "12", "--device", "cpu"])
+    assert run.exit_code == 0, run.output  # through its own chat template
+    assert run.output.startswith(", there was a little girl named Lily")
+    shown = runner.invoke(main, ["show", "demo", "--license"])
+    assert "MIT License" in shown.output and "karpathy/tinyllamas" in shown.output
+    assert runner.invoke(main, ["rm", "demo"]).exit_code == 0
+    assert json.loads(runner.invoke(main, ["list", "--json"]).output) == []
+    assert runner.invoke(main, ["show", "demo"]).exit_code == 0
+    assert [row["name"] for row in json.loads(runner.invoke(main, ["list", "--json"]).output)] == ["demo:latest"]
+
+
+@pytest.mark.skipif(not STORIES_GGUF.is_file(), reason="../shared is not beside the project")
+def test_the_demo_model_is_stories260k_with_a_chat_template() -> None:
+    """scripts/make_demo_model.py kept every tensor and key, and added a template."""
+    import gguf
+    import numpy as np
+
+    from localserve.registry.builtin import DEMO
+
+    source, demo = gguf.GGUFReader(STORIES_GGUF), gguf.GGUFReader(DEMO.path)
+    assert [t.name for t in source.tensors] == [t.name for t in demo.tensors]
+    for ours, theirs in zip(demo.tensors, source.tensors):
+        assert ours.tensor_type == theirs.tensor_type and np.array_equal(ours.data, theirs.data), ours.name
+    for key, field in source.fields.items():
+        if not key.startswith("GGUF.") and key != "general.name":
+            assert str(demo.fields[key].contents()) == str(field.contents()), key
+    assert "messages" in demo.fields["tokenizer.chat_template"].contents()

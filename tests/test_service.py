@@ -68,7 +68,12 @@ def listener(tmp_path: Path) -> Iterator[NotifyListener]:
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while httpx.get(f"{url}/health").status_code != 200:
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.ConnectError:  # not listening yet
+            pass
         assert process.poll() is None and time.monotonic() < deadline, "the daemon did not become healthy"
         time.sleep(0.1)
 
@@ -108,15 +113,15 @@ def test_the_daemon_under_systemd(tmp_path: Path, listener: NotifyListener) -> N
         process.send_signal(signal.SIGHUP)
         assert "MONOTONIC_USEC" in listener.wait_for("RELOADING", timeout=10)
         listener.wait_for("READY", timeout=10)
-        assert model_ids(url) == {"stories", "tiny"}
+        assert model_ids(url) == {"stories", "tiny", "demo:latest"}  # demo: the new registry's built-in model
         config.write_text(config.read_text().replace(f'"stories={model}", ', "").replace('device = "cpu"', "nonsense = 1"))
         process.send_signal(signal.SIGHUP)
         listener.wait_for("READY", timeout=10)
-        assert model_ids(url) == {"stories", "tiny"}, "a broken config file must leave the list as it was"
+        assert model_ids(url) == {"stories", "tiny", "demo:latest"}, "a broken config file must leave the list as it was"
         config.write_text(config.read_text().replace("nonsense = 1\n", ""))
         process.send_signal(signal.SIGHUP)
         listener.wait_for("READY", timeout=10)
-        assert model_ids(url) == {"tiny"}
+        assert model_ids(url) == {"tiny", "demo:latest"}
 
         # Top-20 logprobs make each event a few KB, so the server cannot push the whole
         # stream into socket buffers: the request stays in flight while we read slowly.
@@ -294,3 +299,31 @@ def test_the_service_users_registry_is_its_home(monkeypatch: pytest.MonkeyPatch)
     assert default_home() == Path("/var/lib/localserve")
     monkeypatch.setenv("LOCALSERVE_HOME", "/srv/models")
     assert default_home() == Path("/srv/models")
+
+
+def test_serve_with_no_model_answers_the_readme_on_the_built_in_demo(tmp_path: Path) -> None:
+    """README's first command on a fresh machine: `localserve serve` with nothing given
+    loads the demo model (no ../shared, no network), and its curl and SDK examples get
+    answers."""
+    from openai import OpenAI
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--port", str(port), "--device", "cpu",
+                                "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=env, cwd=tmp_path)
+    try:
+        wait_healthy(url, process)
+        status = httpx.get(f"{url}/api/ps", timeout=10).json()
+        assert [model["name"] for model in status["models"]] == ["demo:latest"]  # loaded at start
+        body = {"model": "demo", "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 24}
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Once upon a time"}],
+                                               max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content.startswith(", there was a little girl named Lily")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

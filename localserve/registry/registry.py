@@ -23,6 +23,7 @@ import sqlite_utils
 
 from ..errors import LocalserveError
 from .blobs import BlobStore, check_digest
+from .builtin import BUILTIN, BuiltinModel
 from .names import ModelName, parse_name
 
 ROLES = ("weights", "config", "tokenizer", "template", "license", "other")
@@ -92,6 +93,7 @@ class Registry:
         self.db = sqlite_utils.Database(sqlite3.connect(home / "registry.db", check_same_thread=False))
         self.db.enable_wal()
         self.db.conn.execute("PRAGMA busy_timeout = 10000")  # the daemon and the CLI may write at once
+        new = "models" not in self.db.table_names()
         with self.db.conn:
             self.db["models"].create({
                 "id": str, "name": str, "tag": str, "format": str, "architecture": str, "quantization": str,
@@ -104,6 +106,9 @@ class Registry:
                                     pk=("model", "name"), foreign_keys=[("model", "models", "id")],
                                     if_not_exists=True)
             self.db["files"].create_index(["digest"], if_not_exists=True)
+        if new:  # a new registry starts with the built-in models
+            for model in BUILTIN.values():
+                self._add_builtin(model)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -112,11 +117,27 @@ class Registry:
 
     def get(self, name: str | ModelName) -> ModelRecord:
         parsed = parse_name(name) if isinstance(name, str) else name
-        rows = list(self.db["models"].rows_where("id = ?", [str(parsed)]))
-        if not rows:
+        row = self._row(parsed)
+        if row is None:
             raise UnknownModelError(f"model {str(parsed)!r} is not in the registry (see `localserve list`; "
                                     "`localserve pull` adds one)")
-        return self._record(rows[0])
+        return self._record(row)
+
+    def _row(self, name: ModelName) -> dict[str, Any] | None:
+        """The catalogue row of ``name``; a built-in model removed earlier comes back."""
+        rows = list(self.db["models"].rows_where("id = ?", [str(name)]))
+        if not rows and name in BUILTIN:
+            self._add_builtin(BUILTIN[name])
+            rows = list(self.db["models"].rows_where("id = ?", [str(name)]))
+        return rows[0] if rows else None
+
+    def _add_builtin(self, model: BuiltinModel) -> None:
+        files = [ModelFile(path.name, self.blobs.add_file(path), path.stat().st_size, role)
+                 for path, role in ((model.path, "weights"), (model.license_path, "license"))]
+        self.add(ModelRecord(
+            name=model.name, format="gguf", architecture=model.architecture, quantization=model.quantization,
+            parameters=model.parameters, active_parameters=model.parameters, context_length=model.context_length,
+            size=sum(f.size for f in files), source=model.source, files=files, license=model.license))
 
     def _record(self, row: dict[str, Any]) -> ModelRecord:
         files = [ModelFile(f["name"], f["digest"], f["size"], f["role"])
