@@ -2,9 +2,10 @@
 
 Nothing is loaded: the spec comes from config.json or the GGUF header, and each
 tensor's size from the safetensors headers or the GGUF tensor directory. The plan
-follows the engine's own rules (``engine/memory.py``): the KV pool gets
-``gpu_memory_utilization`` of the GPU less the weights, one step's activations and
-the CUDA overhead, and a sequence of ``context`` tokens needs whole blocks. Where
+follows the engine's own rule (``engine/memory.py``'s ``pool_sizes``): unless the
+options fix it, the KV pool gets ``gpu_memory_utilization`` of the GPU less the
+weights, one step's activations and the CUDA overhead, and a sequence of ``context``
+tokens needs whole blocks. Where
 the engine measures (activations, CUDA overhead) the plan estimates, and says so.
 """
 
@@ -18,12 +19,10 @@ import torch
 
 from .engine.config import EngineConfig
 from .engine.engine import pick_dtype
-from .engine.kv_cache import kv_bytes_per_block
-from .engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak
+from .engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak, pool_sizes
 from .formats import Checkpoint, ModelSpec, open_checkpoint
 from .units import human_bytes, human_count
 
-GiB = 1 << 30
 
 
 @dataclass(slots=True, frozen=True)
@@ -147,26 +146,22 @@ def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
     weights = weight_sizes(checkpoint, model_dtype)
     # No device: whether fp8 runs depends on the GPU planned for, not on this host's.
     kv_dtype = config.resolve_kv_cache_dtype(model_dtype)
-    block_bytes = kv_bytes_per_block(spec, config.block_size, kv_dtype)
     context = context_limit(spec, config.max_model_len)
     step_tokens = min(config.step_tokens("cuda"), context)
     activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
     usable = int(gpu_memory * config.gpu_memory_utilization)
     cpu_moe_layers = config.cpu_moe_layers(spec.num_layers)
     host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)
-    if config.kv_cache_memory is not None:
-        kv_budget = config.kv_cache_memory
-    else:
-        kv_budget = usable - (weights.loaded_bytes - host_expert_bytes) - activations - CUDA_OVERHEAD_ESTIMATE
-    cpu_blocks = config.num_cpu_blocks
-    if cpu_blocks is None:
-        cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
+    # What the GPU has left once the weights, activations and CUDA are in (may be negative).
+    left = usable - (weights.loaded_bytes - host_expert_bytes) - activations - CUDA_OVERHEAD_ESTIMATE
+    pools = pool_sizes(config, spec, kv_dtype, "cuda", lambda: left)
+    fixed = config.num_kv_blocks is not None or config.kv_cache_memory is not None
     return FitPlan(
         spec=spec, weights=weights, dtype=model_dtype, kv_dtype=kv_dtype,
-        kv_bytes_per_token=block_bytes // config.block_size, block_size=config.block_size, context=context,
+        kv_bytes_per_token=pools.block_bytes // config.block_size, block_size=config.block_size, context=context,
         gpu_memory=gpu_memory, usable=usable, activation_bytes=activations, overhead_bytes=CUDA_OVERHEAD_ESTIMATE,
-        kv_budget=kv_budget, kv_blocks=max(0, kv_budget) // block_bytes, cpu_blocks=cpu_blocks,
-        cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
+        kv_budget=pools.device_blocks * pools.block_bytes if fixed else left, kv_blocks=pools.device_blocks,
+        cpu_blocks=pools.cpu_blocks, cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
     )
 
 

@@ -56,3 +56,28 @@ def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> No
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.stats()["num_generated_tokens_total"] == 20
+
+
+@pytest.mark.parametrize("options", [{}, {"num_kv_blocks": 7}, {"kv_cache_memory": 64 << 20, "num_cpu_blocks": 5},
+                                     {"num_kv_blocks": 9, "cpu_offload_gb": 0.01}])
+def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict) -> None:
+    """One rule (memory.pool_sizes): the pools a CPU engine allocates, the host memory the
+    daemon expects a load to take, and `localserve fit`'s plan when the options fix the
+    pools."""
+    from localserve.engine.memory import pool_sizes
+    from localserve.planner import plan, weight_sizes
+    from localserve.server.app import ServerConfig
+    from localserve.server.footprint import needed_bytes
+
+    path, _ = llama
+    config = EngineConfig(**options)
+    engine = Engine(path, config, device="cpu")
+    pools = pool_sizes(engine.config, engine.spec, engine.kv_dtype, "cpu", gpu_budget=lambda: 0)
+    assert (engine.kv.device.num_blocks, engine.kv.cpu.num_blocks) == (pools.device_blocks, pools.cpu_blocks)
+    if "num_cpu_blocks" in options or "cpu_offload_gb" in options:
+        assert pools.cpu_blocks > 0
+    weights = weight_sizes(engine.checkpoint, engine.dtype).loaded_bytes
+    assert needed_bytes(path, ServerConfig(engine=config, device="cpu")) == weights + pools.total_bytes
+    if options:  # fixed by the options, the GPU plan has the same pools
+        fit = plan(path, 24 * GiB, config, dtype=engine.dtype)
+        assert (fit.kv_blocks, fit.cpu_blocks) == (pools.device_blocks, pools.cpu_blocks)

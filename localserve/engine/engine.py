@@ -15,9 +15,9 @@ from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
-from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors, kv_bytes_per_block
+from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
-from .memory import context_limit, kv_pool_bytes
+from .memory import context_limit, measured_gpu_budget, pool_sizes
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -91,17 +91,13 @@ class Engine:
             cpu_library.set_threads(self.config.cpu_threads())
         block_size = self.config.block_size
         self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
-        block_bytes = kv_bytes_per_block(spec, block_size, self.kv_dtype)
         context = context_limit(spec, self.config.max_model_len)
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context,
                                   cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
                                   exact_cpu_matmul=self.config.exact_cpu_matmul)
-        num_blocks = self.config.num_kv_blocks or max(
-            1, kv_pool_bytes(self.config, self.model, spec, self.kv_dtype, self.device, context) // block_bytes
-        )
-        num_cpu_blocks = self.config.num_cpu_blocks
-        if num_cpu_blocks is None:
-            num_cpu_blocks = int(self.config.cpu_offload_gb * (1 << 30)) // block_bytes
+        pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
+            self.config, self.model, spec, self.kv_dtype, self.device, context))
+        block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
         self.max_model_len = self._cap_to_pool(context, num_blocks * block_size)
         kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.kv_dtype, self.device)
         cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.kv_dtype, torch.device("cpu"),

@@ -1,21 +1,26 @@
-"""How many KV blocks the device can hold.
+"""How many KV blocks the device and the CPU tier hold: ``pool_sizes``, the one rule
+the engine, ``localserve fit`` (planner.py) and the daemon's memory estimate
+(server/footprint.py) all follow.
 
-On CUDA the pool takes what is left of ``gpu_memory_utilization`` of the GPU's memory
-after everything already there (our weights, other processes, the CUDA context) and
-after the peak activations of the largest step, measured by running one. On a CPU-only
-host the pool has an explicit size (``kv_cache_memory``; 2 GiB unless given).
+``num_kv_blocks`` fixes the device pool; else ``kv_cache_memory`` its bytes; else on a
+CPU-only host 2 GiB, and on CUDA what is left of ``gpu_memory_utilization`` of the GPU's
+memory after everything already there (our weights, other processes, the CUDA context)
+and after the peak activations of the largest step (measured by the engine, estimated by
+the planner). The CPU tier is ``num_cpu_blocks``, else ``cpu_offload_gb`` in blocks.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats.spec import ModelSpec
 from .config import EngineConfig
-from .kv_cache import allocate_kv_tensors
+from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from .request import Request
 from .runner import prepare_inputs
 from .sampling_params import SamplingParams
@@ -30,6 +35,40 @@ CPU_DEFAULT_KV_MEMORY = 2 * GiB
 # What the CUDA context, cuBLAS workspaces and allocator slack take besides tensors: an
 # estimate for planning only (the engine measures the real figure).
 CUDA_OVERHEAD_ESTIMATE = 512 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """The KV pools in blocks of ``block_bytes``: on the device and in the CPU tier."""
+
+    block_bytes: int
+    device_blocks: int
+    cpu_blocks: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.device_blocks + self.cpu_blocks) * self.block_bytes
+
+
+def pool_sizes(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device_type: str,
+               gpu_budget: Callable[[], int]) -> PoolSizes:
+    """The pools the options give (see the module doc); ``gpu_budget`` is asked for the
+    bytes a CUDA device has left for the pool only when no option fixes its size."""
+    block_bytes = kv_bytes_per_block(spec, config.block_size, kv_dtype)
+    if config.num_kv_blocks is not None:
+        device_blocks = config.num_kv_blocks
+    else:
+        if config.kv_cache_memory is not None:
+            budget = config.kv_cache_memory
+        elif device_type != "cuda":
+            budget = CPU_DEFAULT_KV_MEMORY
+        else:
+            budget = gpu_budget()
+        device_blocks = max(0, budget) // block_bytes
+    cpu_blocks = config.num_cpu_blocks
+    if cpu_blocks is None:
+        cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
+    return PoolSizes(block_bytes, device_blocks, cpu_blocks)
 
 
 def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:
@@ -103,13 +142,9 @@ def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens:
     return max(0, peak)
 
 
-def kv_pool_bytes(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
-                  device: torch.device, max_model_len: int) -> int:
-    """The device pool's size in bytes from the engine options (see the module doc)."""
-    if config.kv_cache_memory is not None:
-        return config.kv_cache_memory
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_MEMORY
+def measured_gpu_budget(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
+                        device: torch.device, max_model_len: int) -> int:
+    """The bytes a loaded model's GPU has left for the KV pool, its largest step measured."""
     step_tokens = min(config.step_tokens(device.type), max_model_len)
     peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
     free, total = torch.cuda.mem_get_info(device)

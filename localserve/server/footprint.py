@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..engine.engine import pick_device, pick_dtype
 from ..engine.kv_cache import kv_bytes_per_block
-from ..engine.memory import CPU_DEFAULT_KV_MEMORY
+from ..engine.memory import pool_sizes
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..planner import weight_sizes
@@ -47,8 +47,6 @@ def needed_bytes(path: Path, config: ServerConfig) -> int | None:
     engine = config.engine
     dtype = pick_dtype(config.dtype, checkpoint.spec.torch_dtype, torch.device("cpu"))
     weights = weight_sizes(checkpoint, dtype).loaded_bytes
-    kv = engine.kv_cache_memory or CPU_DEFAULT_KV_MEMORY
-    if engine.num_kv_blocks is not None:
-        kv_dtype = engine.resolve_kv_cache_dtype(dtype)
-        kv = engine.num_kv_blocks * kv_bytes_per_block(checkpoint.spec, engine.block_size, kv_dtype)
-    return weights + kv + int(engine.cpu_offload_gb * (1 << 30))
+    kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"))
+    pools = pool_sizes(engine, checkpoint.spec, kv_dtype, "cpu", gpu_budget=lambda: 0)
+    return weights + pools.total_bytes
