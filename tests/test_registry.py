@@ -195,3 +195,19 @@ def test_the_demo_model_is_stories260k_with_a_chat_template() -> None:
         if not key.startswith("GGUF.") and key != "general.name":
             assert str(demo.fields[key].contents()) == str(field.contents()), key
     assert "messages" in demo.fields["tokenizer.chat_template"].contents()
+
+
+@pytest.mark.parametrize("verb", [["list"], ["list", "--json"], ["rm", "nothing"], ["cp", "demo", "copy"], ["ps"]])
+def test_registry_verbs_do_not_import_torch(tmp_path: Path, verb: list[str]) -> None:
+    """The registry and the CLI verbs that only read or change it start in a fraction of a
+    second: nothing they import reaches torch or the engine (a fresh interpreter each)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom localserve.cli import main\n"
+            f"try:\n    main({verb!r}, standalone_mode=False)\nexcept Exception:\n    pass\n"
+            "print('torch' in sys.modules)")
+    env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home"), "LOCALSERVE_URL": "http://127.0.0.1:9"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout
