@@ -244,7 +244,7 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
     SIGHUP reloads the model list. Registry models are served on request; with no
     --model, the built-in `demo` model is loaded at start."""
     from .logs import configure_logging
-    from .server.app import ServerConfig
+    from .server.config import ServerConfig
     from .server.model_manager import parse_keep_alive
     from .server.serve import serve as run_server
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import uvicorn
 
 from localserve.engine.config import EngineConfig
-from localserve.server.app import ServerConfig, create_app
+from localserve.server.app import create_app
+from localserve.server.config import ServerConfig
 
 from .conftest import STORIES_HF
 

@@ -300,7 +300,7 @@ class _PeakGuard:
 def server(tmp_path_factory):  # type: ignore[no-untyped-def]
     if not STORIES_HF.is_dir():
         pytest.skip("../shared/models/stories260K-hf not present")
-    from localserve.server.app import ServerConfig
+    from localserve.server.config import ServerConfig
 
     from .server_util import running_server, small_engine_config, stories_with_template
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from localserve.cli import main
 from localserve.registry import open_registry
 from localserve.registry.local import import_local
-from localserve.server.app import ServerConfig
+from localserve.server.config import ServerConfig
 
 from .conftest import SHARED, STORIES_HF
 from .server_util import CHAT_TEMPLATE, running_server, small_engine_config, stories_with_template

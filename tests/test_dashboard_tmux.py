@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localserve.server.app import ServerConfig
+from localserve.server.config import ServerConfig
 
 from .conftest import STORIES_HF
 from .server_util import running_server, small_engine_config

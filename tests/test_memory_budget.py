@@ -66,7 +66,7 @@ def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict) ->
     pools."""
     from localserve.engine.memory import pool_sizes
     from localserve.planner import plan, weight_sizes
-    from localserve.server.app import ServerConfig
+    from localserve.server.config import ServerConfig
     from localserve.server.footprint import needed_bytes
 
     path, _ = llama

@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from localserve.server.app import ServerConfig
+from localserve.server.config import ServerConfig
 
 from .conftest import STORIES_HF
 from .server_util import running_server, small_engine_config, stories_with_template

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from localserve.cli import main
 from localserve.errors import LocalserveError
-from localserve.server.app import ServerConfig
+from localserve.server.config import ServerConfig
 from localserve.server.serve import check_bind
 
 from .server_util import running_server, small_engine_config, stories_with_template

@@ -12,7 +12,7 @@ import psutil
 from localserve.model_info import model_info
 from localserve.registry import open_registry
 from localserve.registry.local import import_local
-from localserve.server.app import ServerConfig
+from localserve.server.config import ServerConfig
 from localserve.server.events import EventLog
 from localserve.server.metrics import _percentiles
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from localserve.server.app import ServerConfig, open_engine
+from localserve.server.app import open_engine
+from localserve.server.config import ServerConfig
 from localserve.server.catalog import ModelCatalog
 from localserve.server.model_manager import ManagerOptions, ModelManager, ModelUnavailableError, parse_keep_alive
 

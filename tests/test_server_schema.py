@@ -8,7 +8,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from localserve.server.app import ServerConfig, create_app
+from localserve.server.app import create_app
+from localserve.server.config import ServerConfig
 
 from .server_util import running_server, small_engine_config, stories_with_template
 

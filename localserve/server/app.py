@@ -10,7 +10,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -18,35 +17,16 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
-from ..engine.config import EngineConfig
 from . import admin_api, errors, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
 from .catalog import ModelCatalog
 from .events import EventLog
-from .model_manager import DEFAULT_KEEP_ALIVE_S, ManagerOptions, ModelManager
+from .config import ServerConfig
+from .model_manager import ManagerOptions, ModelManager
 from .state import ServerState
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerConfig:
-    models: dict[str, Path] = field(default_factory=dict)  # name -> checkpoint path
-    registry_home: Path | None = None  # the registry whose models are served too (None: only `models`)
-    preload: list[str] = field(default_factory=list)  # names loaded at start-up
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    device: str | None = None
-    dtype: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    cors_origins: list[str] = field(default_factory=list)
-    max_body_bytes: int = 32 << 20
-    keep_alive: float = DEFAULT_KEEP_ALIVE_S  # seconds; math.inf keeps forever
-    max_loaded_models: int = 3
-    max_queued_requests: int = 256  # per model, beyond the running batch
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests
 
 
 def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:

@@ -12,10 +12,10 @@ from ..engine.memory import pool_sizes
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..planner import weight_sizes
+from .config import ServerConfig
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
-    from .app import ServerConfig
 
 
 def memory_footprint(engine: Engine) -> dict[str, int | str]:

@@ -24,11 +24,11 @@ from ..engine.async_engine import AsyncEngine
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..tokenizer import Tokenizer
 from .catalog import ModelCatalog, ModelNotFoundError
+from .config import DEFAULT_KEEP_ALIVE_S
 from .events import EventLog
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP_ALIVE_S = 300.0
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _EXPIRY_CHECK_S = 0.25

@@ -14,7 +14,8 @@ from pathlib import Path
 import uvicorn
 
 from ..errors import LocalserveError
-from .app import ServerConfig, create_app
+from .app import create_app
+from .config import ServerConfig
 from .guard import is_loopback
 from .state import ServerState
 from .systemd import SystemdNotifier

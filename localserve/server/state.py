@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
+from .config import ServerConfig
 from .events import EventLog
 from .guard import GuardState
 from .metrics import Metrics
 from .model_manager import ModelManager
-
-if TYPE_CHECKING:
-    from .app import ServerConfig
 
 
 @dataclass
