@@ -11,6 +11,7 @@ from .chat_template import ChatTemplate
 from .engine.config import EngineConfig
 from .engine.engine import Engine, RequestOutput
 from .engine.sampling_params import SamplingParams
+from .engine.stats import EngineStats
 from .errors import LocalserveError
 
 Prompt = str | list[int]
@@ -83,5 +84,5 @@ class LLM:
         # The template writes BOS itself where the model wants it.
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()

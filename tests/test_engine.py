@@ -58,7 +58,7 @@ def test_batched_greedy_equals_transformers_one_at_a_time(llama, hf_expected) ->
     assert info["mixed"] > 0
     for i, (ours, expected) in enumerate(zip(outputs, hf_expected)):
         assert ours == expected, f"request {i} (prompt {PROMPT_LENGTHS[i]} tokens) differs"
-    assert engine.stats()["kv_blocks_used"] == 0
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_alone_equals_inside_batch(llama) -> None:
@@ -76,10 +76,10 @@ def test_small_pool_preempts_and_still_matches(llama, hf_expected) -> None:
     engine = Engine(path, EngineConfig(max_num_batched_tokens=128, num_kv_blocks=40), device="cpu")
     outputs, _ = run_engine(engine, PROMPTS, MAX_TOKENS)
     stats = engine.stats()
-    print(f"\npreemptions: {stats['num_preemptions']}")
-    assert stats["num_preemptions"] > 0
+    print(f"\npreemptions: {stats.num_preemptions}")
+    assert stats.num_preemptions > 0
     assert outputs == hf_expected
-    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
 def test_max_num_seqs_and_budget_respected(llama) -> None:
@@ -108,11 +108,11 @@ def test_abort_frees_blocks_at_once(llama) -> None:
     rid = engine.add_request(PROMPTS[12], greedy(20))
     other = engine.add_request(PROMPTS[3], greedy(20))
     engine.step()
-    assert engine.stats()["kv_blocks_used"] > 0
+    assert engine.stats().kv_blocks_used > 0
     engine.abort(rid)
-    assert engine.stats()["kv_blocks_used"] == 1  # the other request's one block
+    assert engine.stats().kv_blocks_used == 1  # the other request's one block
     engine.abort(other)
-    assert engine.stats()["kv_blocks_used"] == 0 and not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished_requests()
 
 
 def test_bad_requests_get_clear_errors(llama) -> None:
@@ -144,8 +144,7 @@ def test_llm_generate_api(llama, hf_expected) -> None:
     single = llm.generate(PROMPTS[1], greedy(MAX_TOKENS[1]))
     assert single[0].token_ids == hf_expected[1]
     stats = llm.stats()
-    for key in ("kv_blocks_total", "kv_blocks_used", "num_running", "num_waiting", "num_preemptions"):
-        assert key in stats
-    assert stats["kv_blocks_total"] == 512 and stats["kv_blocks_used"] == 0
+    assert stats.kv_blocks_total == 512 and stats.kv_blocks_used == 0
+    assert stats.num_running == stats.num_waiting == stats.num_preemptions == 0
     with pytest.raises(LocalserveError, match="unknown engine option"):
         LLM(path, device="cpu", not_an_option=1)

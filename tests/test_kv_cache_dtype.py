@@ -47,7 +47,7 @@ def test_stories_int8_greedy_is_the_known_continuation() -> None:
     llm = LLM(STORIES_HF, device="cpu", num_kv_blocks=256, kv_cache_dtype="int8")
     [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=80))
     assert out.text.startswith(CONTINUATION)
-    assert llm.engine.stats()["kv_cache_dtype"] == "int8"
+    assert llm.engine.stats().kv_cache_dtype == "int8"
 
 
 def test_random_llama_logits_stay_close(llama) -> None:
@@ -74,9 +74,9 @@ def test_8bit_blocks_take_about_half_of_fp16(llama) -> None:
     memory = 100 * fp32
     blocks = {kv: Engine(path, EngineConfig(kv_cache_memory=memory, kv_cache_dtype=kv), device="cpu").stats()
               for kv in ("auto", "int8")}
-    assert blocks["auto"]["kv_blocks_total"] == 100 and blocks["auto"]["kv_cache_dtype"] == "float32"
-    assert blocks["int8"]["kv_blocks_total"] == memory // kv_bytes_per_block(spec, 16, torch.int8)
-    assert blocks["int8"]["kv_cache_dtype"] == "int8"
+    assert blocks["auto"].kv_blocks_total == 100 and blocks["auto"].kv_cache_dtype == "float32"
+    assert blocks["int8"].kv_blocks_total == memory // kv_bytes_per_block(spec, 16, torch.int8)
+    assert blocks["int8"].kv_cache_dtype == "int8"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
@@ -96,7 +96,7 @@ def test_swapped_and_cached_blocks_keep_their_scales(llama, kv_cache_dtype: str)
     unconstrained, _ = run(num_kv_blocks=1024, enable_prefix_caching=False)
     blocks_needed = sum(-(-(len(p) + m) // 16) for p, m in zip(PROMPTS, MAX_TOKENS))
     pressured, stats = run(num_kv_blocks=blocks_needed // 4, num_cpu_blocks=512)
-    assert stats["swap_in_blocks"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats.swap_in_blocks > 0 and stats.prefix_cache_hits > 0
     assert pressured == unconstrained
 
 

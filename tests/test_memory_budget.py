@@ -41,11 +41,11 @@ def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> No
     path, _ = llama
     default = Engine(path, device="cpu")
     block_bytes = kv_bytes_per_block(default.spec, 16, default.dtype)
-    assert default.stats()["kv_blocks_total"] == CPU_DEFAULT_KV_MEMORY // block_bytes
+    assert default.stats().kv_blocks_total == CPU_DEFAULT_KV_MEMORY // block_bytes
 
     caplog.set_level(logging.INFO, logger="localserve")
     engine = Engine(path, EngineConfig(kv_cache_memory=10 * block_bytes), device="cpu")
-    assert engine.stats()["kv_blocks_total"] == 10 and engine.max_model_len == 160
+    assert engine.stats().kv_blocks_total == 10 and engine.max_model_len == 160
     log = caplog.text
     assert "capped to 160" in log and "10 blocks of 16 tokens = 160 tokens" in log
     assert "largest context that fits: 160" in log
@@ -55,7 +55,7 @@ def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> No
     engine.add_request(list(range(3, 143)), SamplingParams(max_tokens=20, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats()["num_generated_tokens_total"] == 20
+    assert engine.stats().num_generated_tokens_total == 20
 
 
 @pytest.mark.parametrize("options", [{}, {"num_kv_blocks": 7}, {"kv_cache_memory": 64 << 20, "num_cpu_blocks": 5},

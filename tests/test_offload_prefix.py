@@ -27,8 +27,8 @@ def blocks_needed(block_size: int = 16) -> int:
 
 def assert_no_leaks(engine: Engine) -> None:
     stats = engine.stats()
-    assert stats["kv_blocks_used"] == 0 and stats["cpu_blocks_used"] == 0
-    assert stats["num_running"] == stats["num_waiting"] == stats["num_swapped"] == 0
+    assert stats.kv_blocks_used == 0 and stats.cpu_blocks_used == 0
+    assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
 
 
 def test_swap_keeps_outputs_and_avoids_recompute(llama, unconstrained) -> None:
@@ -38,11 +38,11 @@ def test_swap_keeps_outputs_and_avoids_recompute(llama, unconstrained) -> None:
                     device="cpu")
     outputs, _ = run_engine(engine, PROMPTS, MAX_TOKENS)
     stats = engine.stats()
-    print(f"\n{blocks_needed()} blocks needed, {device_blocks} on the device: {stats['num_preemptions']} preemptions, "
-          f"{stats['swap_out_blocks']} blocks out, {stats['swap_in_blocks']} in, {stats['num_recomputes']} recomputes")
+    print(f"\n{blocks_needed()} blocks needed, {device_blocks} on the device: {stats.num_preemptions} preemptions, "
+          f"{stats.swap_out_blocks} blocks out, {stats.swap_in_blocks} in, {stats.num_recomputes} recomputes")
     assert outputs == unconstrained
-    assert stats["swap_out_blocks"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"]
-    assert stats["num_recomputes"] == 0
+    assert stats.swap_out_blocks > 0 and stats.swap_in_blocks == stats.swap_out_blocks
+    assert stats.num_recomputes == 0
     assert_no_leaks(engine)
 
 
@@ -52,9 +52,9 @@ def test_recompute_takes_over_when_the_cpu_tier_is_full(llama, unconstrained) ->
                     device="cpu")
     outputs, _ = run_engine(engine, PROMPTS, MAX_TOKENS)
     stats = engine.stats()
-    print(f"\nsmall CPU tier: {stats['swap_out_blocks']} blocks swapped out, {stats['num_recomputes']} recomputes")
+    print(f"\nsmall CPU tier: {stats.swap_out_blocks} blocks swapped out, {stats.num_recomputes} recomputes")
     assert outputs == unconstrained
-    assert stats["num_recomputes"] > 0
+    assert stats.num_recomputes > 0
     assert_no_leaks(engine)
 
 
@@ -82,10 +82,10 @@ def test_random_aborts_leak_nothing(llama) -> None:
             if out.finished and out.request_id in ids:
                 ids.remove(out.request_id)
     stats = engine.stats()
-    print(f"\n{stats['num_preemptions']} preemptions, {stats['swap_out_blocks']} blocks swapped out, "
-          f"{stats['num_recomputes']} recomputes, prefix hits {stats['prefix_cache_hits']} tokens; "
+    print(f"\n{stats.num_preemptions} preemptions, {stats.swap_out_blocks} blocks swapped out, "
+          f"{stats.num_recomputes} recomputes, prefix hits {stats.prefix_cache_hits} tokens; "
           f"aborted a swapped request: {saw_swapped_abort}")
-    assert stats["swap_out_blocks"] > 0 and stats["num_recomputes"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats.swap_out_blocks > 0 and stats.num_recomputes > 0 and stats.prefix_cache_hits > 0
     assert saw_swapped_abort
     assert_no_leaks(engine)
 
@@ -101,15 +101,15 @@ def test_shared_prefix_computes_only_the_suffix(llama) -> None:
     first, second = prefix + random_prompt(9, seed=22), prefix + random_prompt(30, seed=23)
     plain = Engine(path, EngineConfig(num_kv_blocks=128, enable_prefix_caching=False), device="cpu")
     expected = [run_one(plain, first), run_one(plain, second)]
-    assert plain.stats()["prefix_cache_hits"] == 0
+    assert plain.stats().prefix_cache_hits == 0
 
     engine = Engine(path, EngineConfig(num_kv_blocks=128), device="cpu")
     assert run_one(engine, first) == expected[0]
-    computed_before = engine.stats()["num_prompt_tokens_total"]
+    computed_before = engine.stats().num_prompt_tokens_total
     assert run_one(engine, second) == expected[1]
     stats = engine.stats()
-    assert stats["prefix_cache_hits"] == 256
-    assert stats["num_prompt_tokens_total"] - computed_before == 30  # only the suffix
+    assert stats.prefix_cache_hits == 256
+    assert stats.num_prompt_tokens_total - computed_before == 30  # only the suffix
     # Running both at once shares the blocks between live requests too.
     both, _ = run_engine(engine, [first, second], [12, 12])
     assert both == expected
@@ -127,10 +127,10 @@ def test_prefix_evicted_to_cpu_tier_comes_back(llama) -> None:
     # Unrelated prompts that need the whole device pool evict the prefix's blocks.
     for seed in range(2):
         run_one(engine, random_prompt(300, seed=40 + seed), max_tokens=4)
-    assert engine.stats()["cpu_blocks_used"] == 0  # spilled blocks are cached, not held
+    assert engine.stats().cpu_blocks_used == 0  # spilled blocks are cached, not held
     assert engine.kv.cpu.num_cached > 0
     assert run_one(engine, target) == expected
     stats = engine.stats()
-    print(f"\nprefix hits {stats['prefix_cache_hits']} tokens, {stats['prefix_cache_cpu_hits']} from the CPU tier")
-    assert stats["prefix_cache_hits"] == stats["prefix_cache_cpu_hits"] == 160
+    print(f"\nprefix hits {stats.prefix_cache_hits} tokens, {stats.prefix_cache_cpu_hits} from the CPU tier")
+    assert stats.prefix_cache_hits == stats.prefix_cache_cpu_hits == 160
     assert_no_leaks(engine)

@@ -80,16 +80,16 @@ def test_prefix_cache_hits_do_not_skip_prompt_positions(llama) -> None:
     engine = Engine(path, EngineConfig(num_kv_blocks=64, block_size=16), device="cpu")
     shared = random_prompt(48, seed=3)
     run(engine, [shared + [5]], [params(None)])  # caches three full blocks of `shared`
-    hits = engine.stats()["prefix_cache_hits"]
+    hits = engine.stats().prefix_cache_hits
     longer = shared + random_prompt(10, seed=4)
     [outputs] = run(engine, [longer], [params(4)])
-    assert engine.stats()["prefix_cache_hits"] == hits  # it computed its whole prompt
+    assert engine.stats().prefix_cache_hits == hits  # it computed its whole prompt
     assert_matches_transformers(outputs[0].prompt_logprobs, hf, longer, 4)
     # Its own blocks are still cached for others.
     fresh = random_prompt(40, seed=6)
     run(engine, [fresh], [params(1)])
     run(engine, [fresh + [9, 9]], [params(None)])
-    assert engine.stats()["prefix_cache_hits"] == hits + 32
+    assert engine.stats().prefix_cache_hits == hits + 32
 
 
 def test_recompute_after_preemption_does_not_repeat_entries(llama) -> None:
@@ -98,7 +98,7 @@ def test_recompute_after_preemption_does_not_repeat_entries(llama) -> None:
     engine = Engine(path, EngineConfig(max_num_batched_tokens=128, num_kv_blocks=30), device="cpu")
     prompts = PROMPTS[:12]
     results = run(engine, prompts, [params(1, max_tokens=20) for _ in prompts])
-    assert engine.stats()["num_recomputes"] > 0
+    assert engine.stats().num_recomputes > 0
     for prompt, outputs in zip(prompts, results):
         assert_matches_transformers(outputs[0].prompt_logprobs, hf, prompt, 1)
         assert outputs[-1].prompt_logprobs is outputs[0].prompt_logprobs

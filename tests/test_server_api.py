@@ -217,11 +217,11 @@ def test_disconnects_free_every_block(server, client: openai.OpenAI) -> None:  #
 
         asyncio.run(run())
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (engine.num_in_flight or engine.stats["kv_blocks_used"]):
+        while time.monotonic() < deadline and (engine.num_in_flight or engine.stats.kv_blocks_used):
             time.sleep(0.05)
         assert engine.num_in_flight == 0
-        assert engine.stats["kv_blocks_used"] == 0
-        assert engine.stats["num_running"] == 0
+        assert engine.stats.kv_blocks_used == 0
+        assert engine.stats.num_running == 0
         return engine.engine.num_generated_tokens_total - before
 
     # Aborted, not run to the end: far fewer than the 400 tokens each asked for.

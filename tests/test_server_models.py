@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -11,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from localserve.engine.stats import EngineStats
 from localserve.server.app import open_engine
-from localserve.server.config import ServerConfig
 from localserve.server.catalog import ModelCatalog
+from localserve.server.config import ServerConfig
 from localserve.server.model_manager import ManagerOptions, ModelManager, ModelUnavailableError, parse_keep_alive
 
 from .server_util import running_server, small_engine_config, stories_with_template
@@ -96,6 +98,8 @@ def test_admin_load_unload_stats(model_path: Path) -> None:
         stats = httpx.get(f"{url}/api/stats").json()
         assert stats["known_models"] == ["a", "b"] and stats["ready"] is True
         (model,) = stats["models"]
+        # One schema: the engine's typed snapshot, every field by its name.
+        assert set(model["engine"]) == {f.name for f in dataclasses.fields(EngineStats)}
         assert model["engine"]["num_generated_tokens_total"] >= 3
         assert model["engine"]["generation_tokens_per_s"] > 0
         assert model["recent"]["requests"] == 1 and model["recent"]["ttft_ms_p50"] > 0

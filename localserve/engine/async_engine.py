@@ -15,12 +15,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from ..errors import LocalserveError
 from .engine import Engine, RequestOutput
 from .sampling_params import SamplingParams
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # changed on the engine thread only
         self._num_adding = 0  # requests handed to the thread but not yet accepted (event loop only)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats: dict[str, Any] = {}
+        self.stats: EngineStats | None = None  # set once the engine is built, then every interval
         self.requests: list[RequestSnapshot] = []
         self._stats_time = 0.0
         self._token_counts: deque[tuple[float, int, int]] = deque()  # (time, prompt, generated) totals
@@ -251,14 +251,15 @@ class AsyncEngine:
         self._stats_time = now
         stats = self.engine.stats()
         counts = self._token_counts
-        counts.append((now, stats["num_prompt_tokens_total"], stats["num_generated_tokens_total"]))
+        counts.append((now, stats.num_prompt_tokens_total, stats.num_generated_tokens_total))
         while now - counts[0][0] > _RATE_WINDOW_S:
             counts.popleft()
         then, prompt, generated = counts[0]
         elapsed = max(now - then, _STATS_INTERVAL_S)
-        stats["prompt_tokens_per_s"] = round((stats["num_prompt_tokens_total"] - prompt) / elapsed, 1)
-        stats["generation_tokens_per_s"] = round((stats["num_generated_tokens_total"] - generated) / elapsed, 1)
-        self.stats = stats  # a new dict each time: readers never see it half-built
+        # A new frozen snapshot each time: readers on other threads never see one half-built.
+        self.stats = replace(
+            stats, prompt_tokens_per_s=round((stats.num_prompt_tokens_total - prompt) / elapsed, 1),
+            generation_tokens_per_s=round((stats.num_generated_tokens_total - generated) / elapsed, 1))
         self.requests = [
             RequestSnapshot(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
                             round(now - r.arrival_time, 3))

@@ -18,6 +18,7 @@ from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
 from .memory import context_limit, measured_gpu_budget, pool_sizes
+from .stats import EngineStats
 from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampler import TokenLogprobs
@@ -269,27 +270,20 @@ class Engine:
 
     # -- statistics -------------------------------------------------------------------
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> EngineStats:
         kv, scheduler = self.kv, self.scheduler
-        return {
-            "kv_blocks_total": kv.device.num_blocks,
-            "kv_blocks_used": kv.device.num_used,
-            "kv_blocks_cached": kv.device.num_cached,
-            "kv_block_size": self.config.block_size,
-            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
-            "cpu_blocks_total": kv.cpu.num_blocks,
-            "cpu_blocks_used": kv.cpu.num_used,
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-            "num_swapped": len(scheduler.swapped),
-            "num_preemptions": scheduler.num_preemptions,
-            "num_recomputes": scheduler.num_recomputes,
-            "swap_out_blocks": kv.stats.swap_out_blocks,
-            "swap_in_blocks": kv.stats.swap_in_blocks,
-            "prefix_cache_queries": kv.stats.prefix_cache_queries,
-            "prefix_cache_hits": kv.stats.prefix_cache_hits,
-            "prefix_cache_cpu_hits": kv.stats.prefix_cache_cpu_hits,
-            "num_prompt_tokens_total": self.num_prompt_tokens_total,
-            "num_generated_tokens_total": self.num_generated_tokens_total,
-            "num_finished_requests": self.num_finished_requests,
-        }
+        return EngineStats(
+            kv_blocks_total=kv.device.num_blocks, kv_blocks_used=kv.device.num_used,
+            kv_blocks_cached=kv.device.num_cached, kv_block_size=self.config.block_size,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
+            cpu_blocks_total=kv.cpu.num_blocks, cpu_blocks_used=kv.cpu.num_used,
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped), num_preemptions=scheduler.num_preemptions,
+            num_recomputes=scheduler.num_recomputes,
+            swap_out_blocks=kv.stats.swap_out_blocks, swap_in_blocks=kv.stats.swap_in_blocks,
+            prefix_cache_queries=kv.stats.prefix_cache_queries, prefix_cache_hits=kv.stats.prefix_cache_hits,
+            prefix_cache_cpu_hits=kv.stats.prefix_cache_cpu_hits,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generated_tokens_total=self.num_generated_tokens_total,
+            num_finished_requests=self.num_finished_requests,
+        )

@@ -74,7 +74,7 @@ async def stats(request: Request) -> dict[str, Any]:
         models.append({
             **_running_model(model),
             **model.description(),
-            "engine": model.engine.stats,
+            "engine": model.engine.stats.as_dict() if model.engine.stats is not None else {},
             "requests": [dataclasses.asdict(r) for r in model.engine.requests],
             "recent": state.metrics.recent_summary(model.name),
         })

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..engine.engine import RequestOutput
+from ..engine.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                     40.0, 80.0)
@@ -24,7 +25,7 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.
                       1.0, 2.5)
 _RECENT = 200  # finished requests kept per model for /api/stats
 
-# (stats key, metric name, help)
+# (EngineStats field, metric name, help)
 _GAUGES = [
     ("num_running", "num_requests_running", "Requests in the running batch"),
     ("num_waiting", "num_requests_waiting", "Requests waiting to start (or to recompute after preemption)"),
@@ -47,9 +48,9 @@ class FinishedTiming:
 
 
 class EngineCollector(Collector):
-    """Reads ``{model name: stats dict}`` at scrape time."""
+    """Reads ``{model name: EngineStats}`` at scrape time."""
 
-    def __init__(self, snapshots: Callable[[], dict[str, dict]]) -> None:
+    def __init__(self, snapshots: Callable[[], dict[str, EngineStats]]) -> None:
         self._snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
@@ -61,15 +62,15 @@ class EngineCollector(Collector):
         usage = GaugeMetricFamily("localserve_kv_cache_usage_ratio", "Share of KV cache blocks in use",
                                   labels=["model", "tier"])
         for model, stats in snapshots.items():
-            usage.add_metric([model, "device"], _ratio(stats["kv_blocks_used"], stats["kv_blocks_total"]))
-            usage.add_metric([model, "cpu"], _ratio(stats["cpu_blocks_used"], stats["cpu_blocks_total"]))
+            usage.add_metric([model, "device"], _ratio(stats.kv_blocks_used, stats.kv_blocks_total))
+            usage.add_metric([model, "cpu"], _ratio(stats.cpu_blocks_used, stats.cpu_blocks_total))
         yield usage
 
 
-def _family(kind: type, name: str, help_text: str, snapshots: dict[str, dict], key: str) -> Metric:
+def _family(kind: type, name: str, help_text: str, snapshots: dict[str, EngineStats], field: str) -> Metric:
     family = kind(f"localserve_{name}", help_text, labels=["model"])
     for model, stats in snapshots.items():
-        family.add_metric([model], stats[key])
+        family.add_metric([model], getattr(stats, field))
     return family
 
 
@@ -78,7 +79,7 @@ def _ratio(used: int, total: int) -> float:
 
 
 class Metrics:
-    def __init__(self, snapshots: Callable[[], dict[str, dict]]) -> None:
+    def __init__(self, snapshots: Callable[[], dict[str, EngineStats]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(snapshots))
 

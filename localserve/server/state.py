@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
+from ..engine.stats import EngineStats
 from .config import ServerConfig
 from .events import EventLog
 from .guard import GuardState
@@ -26,8 +27,9 @@ class ServerState:
     device: str = "cpu"  # where models load, and its name (set at start-up)
     device_name: str = ""
 
-    def snapshots(self) -> dict[str, dict]:
-        return {name: model.engine.stats for name, model in self.manager.loaded.items()}
+    def snapshots(self) -> dict[str, EngineStats]:
+        loaded = self.manager.loaded.items()
+        return {name: model.engine.stats for name, model in loaded if model.engine.stats is not None}
 
 
 def state_of(request: Request) -> ServerState:

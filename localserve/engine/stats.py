@@ -1,0 +1,42 @@
+"""What an engine reports about itself: ``EngineStats``, one typed snapshot that the
+engine fills, the AsyncEngine completes with token rates, ``/metrics`` reads field by
+field and ``/api/stats`` serializes (``as_dict``) for the dashboard. A renamed field
+breaks its readers at once, not silently."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    # The KV cache: the device pool and the CPU tier, in blocks.
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int  # free blocks that still hold a named prefix
+    kv_block_size: int
+    kv_cache_dtype: str
+    cpu_blocks_total: int
+    cpu_blocks_used: int
+    # The scheduler.
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_recomputes: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    # The prefix cache, in prompt tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_cpu_hits: int
+    # Totals since the engine started.
+    num_prompt_tokens_total: int
+    num_generated_tokens_total: int
+    num_finished_requests: int
+    # Tokens per second over the last seconds: the AsyncEngine's (None from a bare Engine).
+    prompt_tokens_per_s: float | None = None
+    generation_tokens_per_s: float | None = None
+
+    def as_dict(self) -> dict[str, int | float | str | None]:
+        return asdict(self)
