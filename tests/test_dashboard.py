@@ -6,12 +6,14 @@ import copy
 import datetime as dt
 import difflib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from localserve.client import DaemonError
+from localserve.engine.stats import EngineStats
 from localserve.tui import view
 from localserve.tui.app import ConfirmUnload, Dashboard, HelpScreen
 from localserve.errors import LocalserveError
@@ -505,11 +507,29 @@ def test_status_words() -> None:
 
 
 def test_hit_rate_and_where() -> None:
-    assert view.hit_rate_text({"prefix_cache_queries": 10, "prefix_cache_hits": 4}) == "40% (4/10)"
-    assert view.hit_rate_text({"prefix_cache_queries": 0}) == "-"
+    stats = EngineStats.from_dict(engine(prefix_cache_queries=10, prefix_cache_hits=4))
+    assert stats is not None and view.hit_rate_text(stats) == "40% (4/10)"
+    assert view.hit_rate_text(replace(stats, prefix_cache_queries=0, prefix_cache_hits=0)) == "-"
     assert view.where_text({"device": "cuda", "host_weights_bytes": 0, "cpu_kv_cache_bytes": 1 << 30}) == \
         "cuda + 1.00 GiB host"
     assert view.where_text({"device": "cpu"}) == "cpu"
+
+
+def test_engine_stats_round_trip_and_another_version_shows_none() -> None:
+    """The dashboard reads the daemon's EngineStats back by name: the same snapshot from
+    the JSON; a missing or mistyped field (another version) gives no engine stats rather
+    than wrong figures; rates, added later, may be absent."""
+    data = engine()
+    stats = EngineStats.from_dict(data)
+    assert stats is not None and stats.as_dict() == data
+    assert EngineStats.from_dict({**data, "a_future_field": 1}) == stats
+    without_rates = {k: v for k, v in data.items() if not k.endswith("_per_s")}
+    assert EngineStats.from_dict(without_rates) == replace(stats, prompt_tokens_per_s=None, generation_tokens_per_s=None)
+    assert EngineStats.from_dict({k: v for k, v in data.items() if k != "kv_blocks_used"}) is None
+    assert EngineStats.from_dict({**data, "kv_blocks_used": "40"}) is None
+    assert EngineStats.from_dict({**data, "num_running": True}) is None
+    model = {"name": "m", "engine": {"kv_blocks_total": 512}}
+    assert view.engine_of(model) is None and view.kv_lines(model, 40) == ["no engine stats"]
 
 
 def test_gauge() -> None:

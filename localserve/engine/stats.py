@@ -1,11 +1,12 @@
 """What an engine reports about itself: ``EngineStats``, one typed snapshot that the
 engine fills, the AsyncEngine completes with token rates, ``/metrics`` reads field by
-field and ``/api/stats`` serializes (``as_dict``) for the dashboard. A renamed field
-breaks its readers at once, not silently."""
+field, ``/api/stats`` serializes (``as_dict``) and the dashboard reads back
+(``from_dict``). A renamed field breaks its readers at once, not silently."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +41,31 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, int | float | str | None]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> EngineStats | None:
+        """The snapshot ``as_dict`` wrote (read back from ``/api/stats``), or None when a
+        field is missing or of another type (a daemon of another version). Fields with a
+        default may be absent, and keys this version does not know are ignored."""
+        values: dict[str, object] = {}
+        for spec in fields(cls):
+            if spec.name not in data:
+                if spec.default is MISSING:
+                    return None
+                continue
+            value = data[spec.name]
+            if not _FIELD_CHECKS[str(spec.type)](value):
+                return None
+            values[spec.name] = value
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FIELD_CHECKS: dict[str, Callable[[object], bool]] = {
+    "int": _is_int,
+    "str": lambda value: isinstance(value, str),
+    "float | None": lambda value: value is None or _is_int(value) or isinstance(value, float),
+}

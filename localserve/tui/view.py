@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..client import DaemonError
+from ..engine.stats import EngineStats
 from ..units import human_bytes
 
 MISSING = "-"
@@ -210,9 +211,10 @@ def models_of(stats: Stats | None) -> list[Mapping[str, Any]]:
     return [m for m in models or [] if isinstance(m, Mapping) and isinstance(m.get("name"), str)]
 
 
-def engine_of(model: Mapping[str, Any]) -> Mapping[str, Any]:
+def engine_of(model: Mapping[str, Any]) -> EngineStats | None:
+    """The model's engine statistics, or None when absent or of another version's schema."""
     engine = model.get("engine")
-    return engine if isinstance(engine, Mapping) else {}
+    return EngineStats.from_dict(engine) if isinstance(engine, Mapping) else None
 
 
 def where_text(memory: object) -> str:
@@ -238,7 +240,8 @@ def model_row(model: Mapping[str, Any], now: float) -> ModelRow:
     kind = " ".join(str(model[k]) for k in ("format", "quantization") if model.get(k)) or MISSING
     memory = model.get("memory")
     weights = memory.get("weights_bytes") if isinstance(memory, Mapping) else None
-    finished = engine_of(model).get("num_finished_requests")
+    engine = engine_of(model)
+    finished = engine.num_finished_requests if engine is not None else None
     in_flight = model.get("requests_in_flight")
     return ModelRow(
         name=model["name"], kind=kind, size=bytes_text(weights), where=where_text(memory),
@@ -257,31 +260,28 @@ def kv_lines(model: Mapping[str, Any] | None, width: int) -> list[str]:
     if model is None:
         return ["no model loaded"]
     engine = engine_of(model)
-    if not engine:
+    if engine is None:
         return ["no engine stats"]
 
     def gauge_line(label: str, used: int, total: int) -> str:
         numbers = f" {used}/{total}"
         return f"{label:<7}{gauge(used, total, max(4, width - 7 - len(numbers)))}{numbers}"
 
-    lines = [gauge_line("device", count(engine.get("kv_blocks_used")), count(engine.get("kv_blocks_total")))]
-    cpu_total = count(engine.get("cpu_blocks_total"))
-    if cpu_total > 0:
-        lines.append(gauge_line("cpu", count(engine.get("cpu_blocks_used")), cpu_total))
+    lines = [gauge_line("device", engine.kv_blocks_used, engine.kv_blocks_total)]
+    if engine.cpu_blocks_total > 0:
+        lines.append(gauge_line("cpu", engine.cpu_blocks_used, engine.cpu_blocks_total))
     else:
         lines.append(f"{'cpu':<7}no CPU tier")
     lines.append(f"prefix hits {hit_rate_text(engine)}")
-    cached, block = engine.get("kv_blocks_cached"), engine.get("kv_block_size")
-    lines.append(f"{MISSING if cached is None else cached} cached · {MISSING if block is None else block} tok/block")
-    lines.append(f"dtype {engine.get('kv_cache_dtype') or MISSING}")
+    lines.append(f"{engine.kv_blocks_cached} cached · {engine.kv_block_size} tok/block")
+    lines.append(f"dtype {engine.kv_cache_dtype or MISSING}")
     return lines
 
 
-def hit_rate_text(engine: Mapping[str, Any]) -> str:
-    queries = count(engine.get("prefix_cache_queries"))
+def hit_rate_text(engine: EngineStats) -> str:
+    queries, hits = engine.prefix_cache_queries, engine.prefix_cache_hits
     if queries <= 0:
         return MISSING
-    hits = count(engine.get("prefix_cache_hits"))
     return f"{100 * hits / queries:.0f}% ({hits}/{queries})"
 
 
@@ -295,13 +295,9 @@ class SchedulerCounts:
 
 def scheduler_counts(stats: Stats | None) -> SchedulerCounts:
     """Summed over the loaded models (one scheduler each)."""
-    engines = [engine_of(m) for m in models_of(stats)]
-
-    def total(key: str) -> int:
-        return sum(count(e.get(key)) for e in engines)
-
-    return SchedulerCounts(total("num_running"), total("num_waiting"), total("num_swapped"),
-                           total("num_finished_requests"))
+    engines = [e for e in map(engine_of, models_of(stats)) if e is not None]
+    return SchedulerCounts(sum(e.num_running for e in engines), sum(e.num_waiting for e in engines),
+                           sum(e.num_swapped for e in engines), sum(e.num_finished_requests for e in engines))
 
 
 @dataclass(slots=True, frozen=True)
@@ -424,12 +420,11 @@ def counter_events(before: Stats | None, after: Stats, now: float) -> list[Event
     previous = {m["name"]: engine_of(m) for m in models_of(before)}
     events = []
     for model in models_of(after):
-        old = previous.get(model["name"])
-        if old is None:
+        old, new = previous.get(model["name"]), engine_of(model)
+        if old is None or new is None:
             continue
-        new = engine_of(model)
         for key, kind, text in COUNTER_EVENTS:
-            n = count(new.get(key)) - count(old.get(key))
+            n = getattr(new, key) - getattr(old, key)
             if n > 0:
                 events.append(Event(now, kind, model["name"], text.format(n=n, s="s" * (n != 1))))
     return events
@@ -449,7 +444,8 @@ _COUNTERS = ("num_preemptions", "num_prompt_tokens_total", "num_generated_tokens
 
 
 def sample_of(stats: Stats, now: float) -> Sample:
-    return Sample(now, {m["name"]: {k: count(engine_of(m).get(k)) for k in _COUNTERS} for m in models_of(stats)})
+    engines = {m["name"]: engine_of(m) for m in models_of(stats)}
+    return Sample(now, {name: {k: getattr(e, k) for k in _COUNTERS} for name, e in engines.items() if e is not None})
 
 
 def increase(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]], key: str) -> int:
@@ -491,7 +487,7 @@ class History:
         for series, field_name, counter in ((self.prompt_rates, "prompt_tokens_per_s", "num_prompt_tokens_total"),
                                             (self.generation_rates, "generation_tokens_per_s",
                                              "num_generated_tokens_total")):
-            rates = [number(engine_of(m).get(field_name)) for m in models]
+            rates = [getattr(e, field_name) if (e := engine_of(m)) is not None else None for m in models]
             if all(r is not None for r in rates):
                 series.append(sum(r for r in rates if r is not None))
             elif previous is not None and now > previous.time:
