@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -90,10 +89,8 @@ def choose_variant(flags: set[str], built: set[str]) -> str | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The best library for this CPU, loaded once (None: none usable, or
-    LOCALSERVE_DISABLE_CPU_KERNELS=1)."""
-    if os.environ.get("LOCALSERVE_DISABLE_CPU_KERNELS") == "1":
-        return None
+    """The best library for this CPU, loaded once (None: none usable). Whether an engine
+    uses it is its choice (kernels/dispatch.py)."""
     built = {name for name in VARIANTS if library_path(name).is_file()}
     variant = choose_variant(cpu_flags(), built)
     if variant is None:

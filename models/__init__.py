@@ -27,13 +27,14 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 def build(
     spec: ModelSpec, weights: NamedWeights, device: torch.device, dtype: torch.dtype, max_position: int,
-    cpu_moe_layers: int = 0, exact_cpu_matmul: bool = False,
+    cpu_moe_layers: int = 0, exact_cpu_matmul: bool = False, cpu_kernels: bool = True,
 ) -> LlamaForCausalLM:
     """Lay out the model for ``spec`` on ``device`` and fill it from named weights
     (dense tensors, or QuantWeights that stay quantized). The experts of MoE layers
     below ``cpu_moe_layers`` stay in host memory and run on the CPU. On the CPU, GGUF's
     quantized weights are tiled for the int8 kernel unless ``exact_cpu_matmul`` keeps
-    every matmul in fp32."""
+    every matmul in fp32 or the engine keeps the torch references (``cpu_kernels``)."""
+    int8_cpu = cpu_kernels and not exact_cpu_matmul
     if spec.architecture not in SUPPORTED:
         raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):
@@ -44,15 +45,14 @@ def build(
     model.dtype = dtype
 
     def finalize(linear: Linear) -> None:
-        linear.finalize(device, dtype, int8_cpu=not exact_cpu_matmul)
+        linear.finalize(device, dtype, int8_cpu=int8_cpu)
         _return_freed_heap()
 
     # Each projection is finalized as soon as its last part arrives, and what its
     # checkpoint layout held is handed back, so the peak stays near one copy of the model.
     load_weights(model, weights, on_complete=finalize)
     for layer, experts in model.experts():
-        experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype,
-                         int8_cpu=not exact_cpu_matmul)
+        experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype, int8_cpu=int8_cpu)
         _return_freed_heap()
     return model.eval()
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from localserve.kernels import AttentionMetadata, KVCache, attention_cpu, attention_ref, cpu_library, paged_attention
+from localserve.kernels.dispatch import KernelChoice, using
 
 from .attention_batches import MIXED, Batch, assert_close
 
@@ -49,8 +50,8 @@ def test_the_dispatcher_picks_it_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     cache = KVCache(batch.k_cache, batch.v_cache)
     assert_close(paged_attention(batch.query, cache, batch.meta, batch.scale), batch.reference())
     assert calls == [1]
-    monkeypatch.setenv("LOCALSERVE_DISABLE_CPU_KERNELS", "1")
-    paged_attention(batch.query, cache, batch.meta, batch.scale)
+    with using(KernelChoice(cpu_kernels=False)):  # an engine that keeps the references
+        paged_attention(batch.query, cache, batch.meta, batch.scale)
     assert calls == [1]
 
 

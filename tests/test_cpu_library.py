@@ -70,3 +70,37 @@ def test_threads_default_to_the_physical_cores_this_process_may_use() -> None:
     assert EngineConfig(threads=3).cpu_threads() == 3
     with pytest.raises(LocalserveError, match="threads"):
         EngineConfig(threads=0)
+
+
+def test_each_engine_runs_the_kernels_it_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """disable_cpu_kernels is an engine option (its default from the environment, read
+    when the config is made, not at each call): two engines in one process keep their own
+    choice, and the one on the references gives the same text."""
+    if not STORIES_GGUF.is_file() or not cpu_library.available():
+        pytest.skip("stories260K.gguf or the CPU kernels are not here")
+    from localserve.engine.config import EngineConfig
+    from localserve.kernels import attention_cpu, quant_linear_cpu
+
+    calls = {"attention": 0, "matmul": 0}
+    attention, matmul = attention_cpu.paged_attention, quant_linear_cpu.dense_linear
+
+    def counting(name, function):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(attention_cpu, "paged_attention", counting("attention", attention))
+    monkeypatch.setattr(quant_linear_cpu, "dense_linear", counting("matmul", matmul))
+    monkeypatch.setenv("LOCALSERVE_DISABLE_CPU_KERNELS", "1")
+    from_environment = EngineConfig()
+    monkeypatch.delenv("LOCALSERVE_DISABLE_CPU_KERNELS")
+    assert from_environment.disable_cpu_kernels and not EngineConfig().disable_cpu_kernels
+    params = SamplingParams(temperature=0, max_tokens=20)
+    on_references = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64, disable_cpu_kernels=True)
+    on_kernels = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64)
+    [by_references] = on_references.generate("Once upon a time", params)
+    assert calls == {"attention": 0, "matmul": 0}
+    [by_kernels] = on_kernels.generate("Once upon a time", params)
+    assert calls["attention"] > 0 and calls["matmul"] > 0
+    assert by_kernels.text == by_references.text

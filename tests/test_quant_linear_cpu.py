@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from localserve.kernels import cpu_library, quant_linear_cpu
+from localserve.kernels.dispatch import KernelChoice, using
 from localserve.kernels.quant_linear import (QuantWeight, dequantize, linear, pack_codes, quant_linear,
                                              quant_linear_ref, quantize_activations)
 from localserve.kernels.quant_linear_cpu import (TiledWeight, can_tile, float_linear, grouped_int8_linear, int8_linear,
@@ -240,8 +241,8 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     tiled = tile(make_gguf_like(4, 32, "zeros", 32))
     assert isinstance(tiled, TiledWeight)
     assert torch.equal(linear(torch.ones(3, 512), tiled), int8_linear(torch.ones(3, 512), tiled))
-    monkeypatch.setenv("LOCALSERVE_DISABLE_CPU_KERNELS", "1")
-    quant_linear(x, weight)
+    with using(KernelChoice(cpu_kernels=False)):  # an engine that keeps the references
+        quant_linear(x, weight)
     assert len(calls) == 1
 
 

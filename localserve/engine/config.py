@@ -35,6 +35,12 @@ class EngineConfig:
     # int8 for GGUF's types as llama.cpp does (slower; for comparing with a dense reference).
     # LOCALSERVE_EXACT_CPU_MATMUL=1 sets the default.
     exact_cpu_matmul: bool = field(default_factory=lambda: os.environ.get("LOCALSERVE_EXACT_CPU_MATMUL") == "1")
+    # The torch references instead of the compiled CPU kernels / the Triton kernels (for
+    # comparing with a kernel's definition); LOCALSERVE_DISABLE_CPU_KERNELS=1 and
+    # LOCALSERVE_DISABLE_TRITON=1 set the defaults.
+    disable_cpu_kernels: bool = field(
+        default_factory=lambda: os.environ.get("LOCALSERVE_DISABLE_CPU_KERNELS") == "1")
+    disable_triton: bool = field(default_factory=lambda: os.environ.get("LOCALSERVE_DISABLE_TRITON") == "1")
     threads: int | None = None  # CPU threads for the kernels and torch; default: the physical cores we may use
 
     def __post_init__(self) -> None:

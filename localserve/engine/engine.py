@@ -17,6 +17,8 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
+from ..kernels.dispatch import KernelChoice
+from ..kernels.dispatch import using as kernels_used
 from .memory import context_limit, measured_gpu_budget, pool_sizes
 from .stats import EngineStats
 from .request import Request, RequestStatus
@@ -93,11 +95,16 @@ class Engine:
         block_size = self.config.block_size
         self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
         context = context_limit(spec, self.config.max_model_len)
+        # The kernels this engine runs, chosen once: every forward is made under it.
+        self.kernels = KernelChoice(triton=not self.config.disable_triton,
+                                    cpu_kernels=not self.config.disable_cpu_kernels)
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context,
                                   cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
-                                  exact_cpu_matmul=self.config.exact_cpu_matmul)
-        pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
-            self.config, self.model, spec, self.kv_dtype, self.device, context))
+                                  exact_cpu_matmul=self.config.exact_cpu_matmul,
+                                  cpu_kernels=self.kernels.cpu_kernels)
+        with kernels_used(self.kernels):  # a GPU's budget is measured by running a step
+            pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
+                self.config, self.model, spec, self.kv_dtype, self.device, context))
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
         self.max_model_len = self._cap_to_pool(context, num_blocks * block_size)
         kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.kv_dtype, self.device)
@@ -114,7 +121,7 @@ class Engine:
                                  self.config.enable_prefix_caching)
         self.transfer = KVTransfer(kv_caches, cpu_caches)
         self.scheduler = Scheduler(self.config, self.kv)
-        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, self.kernels)
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

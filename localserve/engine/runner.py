@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import AttentionMetadata, KVCache
+from ..kernels.dispatch import KernelChoice, using
 from .request import Request
 from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
 from .scheduler import ScheduledBatch
@@ -91,17 +92,23 @@ class ModelRunner:
         kv_caches: list[KVCache],
         block_size: int,
         device: torch.device,
+        kernels: KernelChoice = KernelChoice(),
     ) -> None:
         self.model = model
+        self.kernels = kernels
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run one step: the model over the batch, then one logits pass for the rows that
-        are sampled and the prompt positions owed a prompt logprob."""
+        are sampled and the prompt positions owed a prompt logprob; on the engine's kernels."""
+        with using(self.kernels):
+            return self._execute(batch)
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> RunnerOutput:
         inputs = prepare_inputs(batch, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.to_sample and not inputs.prompt_requests:
