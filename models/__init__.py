@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from localserve.errors import LocalserveError
+from localserve.formats.architectures import ARCHITECTURES
 from localserve.formats.spec import ModelSpec
 from localserve.kernels.quant_linear import QuantWeight
 
@@ -22,7 +23,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 NamedWeights = Iterable[tuple[str, torch.Tensor | QuantWeight]]
 
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build(
@@ -35,7 +35,7 @@ def build(
     quantized weights are tiled for the int8 kernel unless ``exact_cpu_matmul`` keeps
     every matmul in fp32 or the engine keeps the torch references (``cpu_kernels``)."""
     int8_cpu = cpu_kernels and not exact_cpu_matmul
-    if spec.architecture not in SUPPORTED:
+    if spec.architecture not in ARCHITECTURES:
         raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):
         model = LlamaForCausalLM(spec, max_position, device)

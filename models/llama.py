@@ -15,7 +15,7 @@ from torch import nn
 from localserve.formats.spec import ModelSpec
 from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
 
-from localserve.formats.hf import moe_block_name
+from localserve.formats.architectures import ARCHITECTURES
 
 from .layers import MLP, Embedding, Linear, RMSNorm
 from .moe import PROJECTIONS, Experts, SparseMoE
@@ -24,7 +24,6 @@ from .rope import RotaryEmbedding
 # Where each checkpoint tensor goes: (module, part, is bias), or a plain tensor.
 Slot = tuple[Linear, int, bool] | tuple[Experts, tuple[str, int | None], bool] | torch.Tensor
 # Mixtral's HF names for the expert projections.
-_MIXTRAL_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 class Attention(nn.Module):
@@ -138,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
                 slots[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
                 slots[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
             if isinstance(mlp, SparseMoE):
-                slots |= self._moe_slots(f"{prefix}{moe_block_name(self.spec.architecture)}.", mlp)
+                slots |= self._moe_slots(f"{prefix}{ARCHITECTURES[self.spec.architecture].moe_block}.", mlp)
             else:
                 slots |= _mlp_slots(f"{prefix}mlp.", mlp)
             slots[f"{prefix}input_layernorm.weight"] = layer.input_norm.weight
@@ -150,10 +149,10 @@ class LlamaForCausalLM(nn.Module):
         all experts stacked (``experts.gate_proj.weight``: GGUF), the shared expert."""
         experts = moe.experts
         slots: dict[str, Slot] = {f"{prefix}gate.weight": (moe.router, 0, False)}
-        mixtral = self.spec.architecture == "mixtral"
+        expert_names = dict(zip(PROJECTIONS, ARCHITECTURES[self.spec.architecture].expert_names))
         for projection in PROJECTIONS:
             slots[f"{prefix}experts.{projection}_proj.weight"] = (experts, (projection, None), False)
-            name = _MIXTRAL_EXPERT_NAMES[projection] if mixtral else f"{projection}_proj"
+            name = expert_names[projection]
             for e in range(experts.num_experts):
                 slots[f"{prefix}experts.{e}.{name}.weight"] = (experts, (projection, e), False)
         if moe.shared_expert is not None:

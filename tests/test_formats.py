@@ -47,6 +47,25 @@ def test_qwen2_sliding_window_only_when_enabled() -> None:
     assert spec_from_config({**BASE, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
 
 
+@pytest.mark.parametrize("model_type,architecture,bias,qk_norm", [
+    ("llama", "llama", False, False), ("mistral", "llama", False, False), ("qwen2", "qwen2", True, False),
+    ("qwen3", "qwen3", False, True)])
+def test_the_architecture_table_decides_what_sets_a_model_apart(model_type: str, architecture: str, bias: bool,
+                                                                 qk_norm: bool) -> None:
+    """formats/architectures.py is the one place: the HF reader, the GGUF reader and the
+    model's weight names all read it."""
+    from localserve.formats.architectures import ARCHITECTURES, HF_MODEL_TYPES, by_gguf
+
+    spec = spec_from_config({**BASE, "model_type": model_type})
+    assert (spec.architecture, spec.attention_bias, spec.qk_norm) == (architecture, bias, qk_norm)
+    assert sorted(HF_MODEL_TYPES) == sorted(t for a in ARCHITECTURES.values() for t in a.hf_model_types)
+    assert by_gguf("llama", has_experts=True) is ARCHITECTURES["mixtral"]
+    assert by_gguf("llama", has_experts=False) is ARCHITECTURES["llama"]
+    assert by_gguf("qwen3moe", has_experts=True) is ARCHITECTURES["qwen3_moe"] and by_gguf("gpt2", False) is None
+    with pytest.raises(LocalserveError, match="supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+        spec_from_config({**BASE, "model_type": "gpt2"})
+
+
 @pytest.fixture()
 def checkpoint(tiny_models, tmp_path):
     source, _ = tiny_models.get("llama")

@@ -19,13 +19,10 @@ import torch
 from ..chat_template import ChatTemplate
 from ..errors import LocalserveError
 from ..kernels.quant_linear import QuantWeight
+from .architectures import ARCHITECTURES, GGUF_NAMES, by_gguf
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight
-from .hf import moe_block_name
 from .spec import ModelSpec, RopeSpec
-
-# GGUF architecture -> ours; Mixtral is arch llama with experts.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -68,7 +65,7 @@ def hf_name(name: str, architecture: str) -> str | None:
     if match and match[2] in _LAYER_NAMES:
         return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
     if match and match[2] in _MOE_NAMES:
-        return f"model.layers.{match[1]}.{moe_block_name(architecture)}.{_MOE_NAMES[match[2]]}.{match[3]}"
+        return f"model.layers.{match[1]}.{ARCHITECTURES[architecture].moe_block}.{_MOE_NAMES[match[2]]}.{match[3]}"
     return None
 
 
@@ -96,12 +93,14 @@ class _Metadata:
 
 def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
     arch = gguf.metadata.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_NAMES:
         raise LocalserveError(
-            f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_NAMES)})"
         )
     md = _Metadata(gguf, arch)
     num_experts = md.get("expert_count", int, 0)
+    architecture = by_gguf(arch, bool(num_experts))
+    assert architecture is not None
     # MoE files may omit the dense width; Mixtral's experts are feed_forward_length wide.
     intermediate = md.get("feed_forward_length", int, 0 if num_experts else ...)
     hidden = md.get("embedding_length", int)
@@ -119,7 +118,7 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise LocalserveError(f"{gguf.path}: {len(tokens)} tokens but {vocab} embedding rows")
     eos = [md.get(k, int, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
     spec = ModelSpec(
-        architecture="mixtral" if arch == "llama" and num_experts else ARCHITECTURES[arch],
+        architecture=architecture.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -140,7 +139,7 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         moe_intermediate_size=md.get("expert_feed_forward_length", int, intermediate if num_experts else 0),
         shared_expert_intermediate_size=_shared_expert_width(gguf),
         # llama.cpp renormalises the chosen gates for Mixtral and Qwen3-MoE, not Qwen2-MoE.
-        norm_topk_prob=arch != "qwen2moe",
+        norm_topk_prob=architecture.renormalize_gates,
     )
     if spec.num_heads % spec.num_kv_heads:
         raise LocalserveError(f"{gguf.path}: head_count must be a multiple of head_count_kv")
@@ -189,8 +188,8 @@ def _interleaved_to_half_split(rows: int, heads: int) -> torch.Tensor:
 
 def iter_gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     # Arch llama (Mixtral included) has its Q/K rows permuted by the converter.
-    llama = gguf.metadata.get("general.architecture") == "llama"
-    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if llama else {}
+    permuted = ARCHITECTURES[spec.architecture].gguf_permuted_qk
+    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if permuted else {}
     for info in gguf.tensors.values():
         if info.name == ROPE_FREQS:
             continue

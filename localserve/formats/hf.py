@@ -15,25 +15,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
+from .architectures import HF_MODEL_TYPES, Architecture
 from .spec import ModelSpec, RopeSpec
 
-# model_type -> our architecture family
-_ARCHITECTURES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mixtral": "mixtral",
-    "qwen2_moe": "qwen2_moe",
-    "qwen3_moe": "qwen3_moe",
-}
-
 _MAX_SHARDS = 4096
-
-
-def moe_block_name(architecture: str) -> str:
-    """The HF module holding a layer's router and experts."""
-    return "block_sparse_moe" if architecture == "mixtral" else "mlp"
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -51,16 +36,16 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     model_type = config.get("model_type")
-    architecture = _ARCHITECTURES.get(model_type)
-    if architecture is None:
-        supported = ", ".join(sorted(_ARCHITECTURES))
+    arch = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        supported = ", ".join(sorted(HF_MODEL_TYPES))
         raise LocalserveError(f"model_type {model_type!r} is not supported (supported: {supported})")
     try:
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         eos = config.get("eos_token_id")
         spec = ModelSpec(
-            architecture=architecture,
+            architecture=arch.name,
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(config["intermediate_size"]),
@@ -72,13 +57,13 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
             rope=_rope_from_config(config),
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=architecture in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
-            qk_norm=architecture in ("qwen3", "qwen3_moe"),
-            sliding_window=_sliding_window(config),
+            attention_bias=arch.attention_bias or bool(config.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
+            sliding_window=_sliding_window(arch, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=config.get("dtype") or config.get("torch_dtype"),
-            **_moe_fields(architecture, config),
+            **_moe_fields(arch, config),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise LocalserveError(f"config.json: missing or malformed field ({exc})") from exc
@@ -90,13 +75,13 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     return spec
 
 
-def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
-    if architecture not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+def _moe_fields(arch: Architecture, config: dict[str, Any]) -> dict[str, Any]:
+    if arch.moe is None:
         return {}
     # The hub's Qwen MoE files say num_experts; Mixtral and transformers 5 num_local_experts.
     fields: dict[str, Any] = dict(num_experts=int(config.get("num_experts") or config["num_local_experts"]),
                                   num_experts_per_tok=int(config["num_experts_per_tok"]))
-    if architecture == "mixtral":
+    if arch.moe == "mixtral":
         # Mixtral's experts are intermediate_size wide and its gates always renormalised.
         return fields | dict(moe_intermediate_size=int(config["intermediate_size"]))
     # Qwen MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
@@ -108,9 +93,9 @@ def _moe_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
                          norm_topk_prob=bool(config.get("norm_topk_prob", False)), dense_mlp_layers=dense)
 
 
-def _sliding_window(config: dict[str, Any]) -> int | None:
+def _sliding_window(arch: Architecture, config: dict[str, Any]) -> int | None:
     # Qwen2 ships a sliding_window value but only uses it when use_sliding_window is set.
-    if config.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not config.get("use_sliding_window", False):
+    if arch.sliding_window_needs_flag and not config.get("use_sliding_window", False):
         return None
     window = config.get("sliding_window")
     return int(window) if window else None

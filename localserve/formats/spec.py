@@ -29,7 +29,7 @@ class RopeSpec:
 class ModelSpec:
     """What models.build needs to lay out a decoder-only transformer."""
 
-    architecture: str  # "llama" (Llama, Mistral), "qwen2", "qwen3"; MoE: "mixtral", "qwen2_moe", "qwen3_moe"
+    architecture: str  # a key of formats/architectures.py: llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int

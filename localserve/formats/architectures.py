@@ -1,0 +1,47 @@
+"""The architectures localserve runs, one entry each: how the HF and GGUF readers
+recognise one and what differs between them. Every Llama-like model is the same
+decoder (models/llama.py); adding one is an entry here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    name: str  # ModelSpec.architecture
+    hf_model_types: tuple[str, ...]  # config.json's model_type values that are this
+    gguf_name: str | None  # GGUF general.architecture (None: found another way, see by_gguf)
+    attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3)
+    moe: str | None = None  # the MoE config family: "mixtral" or "qwen"; None: dense
+    moe_block: str = "mlp"  # the HF module holding a layer's router and experts
+    # Each expert's projections in HF checkpoints: gate, up, down (default: gate_proj, ...).
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    renormalize_gates: bool = True  # GGUF: llama.cpp renormalises the chosen experts' gates
+    sliding_window_needs_flag: bool = False  # config.json's sliding_window holds only with use_sliding_window
+    gguf_permuted_qk: bool = False  # GGUF: the converter permuted the Q/K rows (arch llama)
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", ("llama", "mistral"), "llama", gguf_permuted_qk=True),
+    Architecture("qwen2", ("qwen2",), "qwen2", attention_bias=True, sliding_window_needs_flag=True),
+    Architecture("qwen3", ("qwen3",), "qwen3", qk_norm=True, sliding_window_needs_flag=True),
+    # In GGUF, Mixtral is arch llama with experts.
+    Architecture("mixtral", ("mixtral",), None, moe="mixtral", moe_block="block_sparse_moe",
+                 expert_names=("w1", "w3", "w2"), gguf_permuted_qk=True),
+    Architecture("qwen2_moe", ("qwen2_moe",), "qwen2moe", attention_bias=True, moe="qwen", renormalize_gates=False,
+                 sliding_window_needs_flag=True),
+    Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="qwen", sliding_window_needs_flag=True),
+)}
+
+HF_MODEL_TYPES = {t: a for a in ARCHITECTURES.values() for t in a.hf_model_types}
+GGUF_NAMES = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name is not None}
+
+
+def by_gguf(gguf_name: str, has_experts: bool) -> Architecture | None:
+    """The architecture of a GGUF file's ``general.architecture``; arch llama with
+    experts is Mixtral."""
+    if gguf_name == "llama" and has_experts:
+        return ARCHITECTURES["mixtral"]
+    return GGUF_NAMES.get(gguf_name)
