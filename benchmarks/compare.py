@@ -62,7 +62,7 @@ from localserve.bench.datasets import sample_requests
 from localserve.bench.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
-    from localserve.tokenizer import Tokenizer
+    from localserve.text.tokenizer import Tokenizer
 
 LOCALSERVE = "localserve"
 LLAMA_CPP = "llama-cpp-python"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .chat_template import ChatTemplate
+from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
 from .engine.engine import Engine, RequestOutput
 from .engine.sampling_params import SamplingParams

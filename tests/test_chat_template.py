@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from localserve.chat_template import ChatTemplate
+from localserve.text.chat_template import ChatTemplate
 from localserve.errors import LocalserveError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

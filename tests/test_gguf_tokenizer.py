@@ -15,8 +15,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from localserve.errors import LocalserveError
-from localserve.gguf_tokenizer import tokenizer_from_gguf_metadata
-from localserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from localserve.text.gguf_tokenizer import tokenizer_from_gguf_metadata
+from localserve.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 gguf = pytest.importorskip("gguf")
 

@@ -20,7 +20,7 @@ from .config import BenchConfig
 from .datasets import SampleRequest
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

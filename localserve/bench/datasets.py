@@ -20,7 +20,7 @@ import numpy as np
 from .config import BenchConfig, BenchError
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
 # vLLM's ShareGPT filter: prompts and answers under 4 tokens say nothing, prompts over
 # 1024 or conversations over 2048 tokens do not fit the models it was written for.

@@ -21,7 +21,7 @@ from .load import arrival_times, drive
 from .metrics import Metrics, compute_metrics
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
 
 @dataclass

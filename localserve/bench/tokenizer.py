@@ -10,7 +10,7 @@ from ..errors import LocalserveError
 from .config import BenchError
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
 
 _HINT = "give --tokenizer (a .gguf file, an HF checkpoint folder or a registry name)"
 

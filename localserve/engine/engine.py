@@ -13,7 +13,7 @@ import torch
 from .. import models
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
 from ..errors import LocalserveError
-from ..gguf_tokenizer import tokenizer_from_gguf_metadata
+from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..kernels.quant_linear import QuantWeight
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from . import hf
 from .gguf import ROPE_FREQS, chat_template_from_gguf, iter_gguf_weights, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf

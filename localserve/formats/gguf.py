@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
 from ..errors import LocalserveError
 from ..kernels.quant_linear import QuantWeight
 from .architectures import ARCHITECTURES, GGUF_NAMES, by_gguf

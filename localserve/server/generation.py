@@ -16,7 +16,7 @@ from ..engine.async_engine import RequestStream
 from ..engine.engine import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .metrics import Metrics
 from .model_manager import LoadedModel
 from .protocol import ChatCompletionRequest, CompletionRequest

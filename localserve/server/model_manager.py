@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate
 from ..engine.async_engine import AsyncEngine
 from ..errors import InsufficientMemoryError, LocalserveError
-from ..tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 from .catalog import ModelCatalog, ModelNotFoundError
 from .config import DEFAULT_KEEP_ALIVE_S
 from .events import EventLog

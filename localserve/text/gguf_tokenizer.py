@@ -25,7 +25,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import LocalserveError
+from ..errors import LocalserveError
 from .tokenizer import Tokenizer
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`, gguf-py's TokenType).

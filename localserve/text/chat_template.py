@@ -27,7 +27,7 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.utils import Namespace
 
-from .errors import LocalserveError
+from ..errors import LocalserveError
 
 __all__ = ["ChatTemplate", "DEFAULT_MAX_OUTPUT_CHARS", "DEFAULT_MAX_STEPS"]
 

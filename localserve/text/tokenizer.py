@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import LocalserveError
+from ..errors import LocalserveError
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
