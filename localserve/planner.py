@@ -155,12 +155,11 @@ def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
     # What the GPU has left once the weights, activations and CUDA are in (may be negative).
     left = usable - (weights.loaded_bytes - host_expert_bytes) - activations - CUDA_OVERHEAD_ESTIMATE
     pools = pool_sizes(config, spec, kv_dtype, "cuda", lambda: left)
-    fixed = config.num_kv_blocks is not None or config.kv_cache_memory is not None
     return FitPlan(
         spec=spec, weights=weights, dtype=model_dtype, kv_dtype=kv_dtype,
         kv_bytes_per_token=pools.block_bytes // config.block_size, block_size=config.block_size, context=context,
         gpu_memory=gpu_memory, usable=usable, activation_bytes=activations, overhead_bytes=CUDA_OVERHEAD_ESTIMATE,
-        kv_budget=pools.device_blocks * pools.block_bytes if fixed else left, kv_blocks=pools.device_blocks,
+        kv_budget=pools.device_budget, kv_blocks=pools.device_blocks,
         cpu_blocks=pools.cpu_blocks, cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
     )
 

@@ -40,7 +40,8 @@ needs_stories = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/mo
 
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    """Runs cmd; a failure shows its output."""
+    """Runs cmd (ten minutes at most: a build, a venv, a model run); a failure shows its output."""
+    kwargs.setdefault("timeout", 600)
     result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
     assert result.returncode == 0, f"{cmd} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result

@@ -17,8 +17,7 @@ from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
-from ..kernels.dispatch import KernelChoice
-from ..kernels.dispatch import using as kernels_used
+from ..kernels.dispatch import KernelChoice, using
 from .memory import context_limit, measured_gpu_budget, pool_sizes
 from .stats import EngineStats
 from .request import Request, RequestStatus
@@ -102,7 +101,7 @@ class Engine:
                                   cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
                                   exact_cpu_matmul=self.config.exact_cpu_matmul,
                                   cpu_kernels=self.kernels.cpu_kernels)
-        with kernels_used(self.kernels):  # a GPU's budget is measured by running a step
+        with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
                 self.config, self.model, spec, self.kv_dtype, self.device, context))
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks

@@ -39,11 +39,13 @@ CUDA_OVERHEAD_ESTIMATE = 512 << 20
 
 @dataclass(frozen=True, slots=True)
 class PoolSizes:
-    """The KV pools in blocks of ``block_bytes``: on the device and in the CPU tier."""
+    """The KV pools in blocks of ``block_bytes``: on the device and in the CPU tier, and
+    the bytes the device pool was given (negative when a GPU has none left)."""
 
     block_bytes: int
     device_blocks: int
     cpu_blocks: int
+    device_budget: int
 
     @property
     def total_bytes(self) -> int:
@@ -56,19 +58,17 @@ def pool_sizes(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, dev
     bytes a CUDA device has left for the pool only when no option fixes its size."""
     block_bytes = kv_bytes_per_block(spec, config.block_size, kv_dtype)
     if config.num_kv_blocks is not None:
-        device_blocks = config.num_kv_blocks
+        budget = config.num_kv_blocks * block_bytes
+    elif config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device_type != "cuda":
+        budget = CPU_DEFAULT_KV_MEMORY
     else:
-        if config.kv_cache_memory is not None:
-            budget = config.kv_cache_memory
-        elif device_type != "cuda":
-            budget = CPU_DEFAULT_KV_MEMORY
-        else:
-            budget = gpu_budget()
-        device_blocks = max(0, budget) // block_bytes
+        budget = gpu_budget()
     cpu_blocks = config.num_cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
-    return PoolSizes(block_bytes, device_blocks, cpu_blocks)
+    return PoolSizes(block_bytes, max(0, budget) // block_bytes, cpu_blocks, budget)
 
 
 def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:
