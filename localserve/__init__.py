@@ -10,13 +10,14 @@ __version__ = "0.1.0"
 # The Python API, imported on first use: `localserve list` or `ps` should not wait
 # for torch to load.
 _EXPORTS = {
-    "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.engine",
+    "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
 }
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig
-    from .engine.engine import Engine, RequestOutput
+    from .engine.engine import Engine
+    from .engine.output_processor import RequestOutput
     from .engine.sampling_params import SamplingParams
     from .errors import LocalserveError
     from .llm import LLM

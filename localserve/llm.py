@@ -9,7 +9,8 @@ import torch
 
 from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
-from .engine.engine import Engine, RequestOutput
+from .engine.engine import Engine
+from .engine.output_processor import RequestOutput
 from .engine.sampling_params import SamplingParams
 from .engine.stats import EngineStats
 from .errors import LocalserveError

@@ -84,13 +84,11 @@ class LocalBackend:
         fields = _sampling_fields(settings)
         fields["max_tokens"] = min(fields.get("max_tokens", room), room)
         request_id = self.engine.add_request(prompt, SamplingParams(**fields))
-        shown = 0
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.request_id == request_id and len(output.text) > shown:
-                        yield output.text[shown:]
-                        shown = len(output.text)
+                    if output.request_id == request_id and output.delta:
+                        yield output.delta
         finally:
             if self.engine.has_unfinished_requests():
                 self.engine.abort(request_id)  # Ctrl-C, or an error: free the sequence

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from localserve import LLM, Engine, EngineConfig, LocalserveError, SamplingParams
 

@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from ..errors import LocalserveError
-from .engine import Engine, RequestOutput
+from .engine import Engine
+from .output_processor import RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats
 
@@ -71,10 +72,14 @@ class RequestStream:
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         while True:
             item = await self._queue.get()
-            # A step can leave several outputs queued; only the newest matters, as
-            # outputs are cumulative. Skipping stale ones keeps slow clients cheap.
+            # A step can leave several outputs queued; the newest says it all (outputs
+            # are cumulative, and its delta takes in the skipped ones'), so a slow
+            # client costs one output, not one per step.
             while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-                item = self._queue.get_nowait()
+                newer = self._queue.get_nowait()
+                if isinstance(newer, RequestOutput):
+                    newer.delta = item.delta + newer.delta
+                item = newer
             if item is None:
                 return
             if isinstance(item, BaseException):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,41 +12,20 @@ import torch
 from .. import models
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
-from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
 from .memory import context_limit, measured_gpu_budget, pool_sizes
-from .stats import EngineStats
-from .request import Request, RequestStatus
-from .runner import ModelRunner
-from .sampler import TokenLogprobs
+from .output_processor import OutputProcessor, RequestOutput
+from .request import Request
+from .runner import ModelRunner, RunnerOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, ScheduledBatch
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's state after a step; ``text`` and ``token_ids`` are cumulative."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs] | None
-    # Entry p: prompt token p + 1 given the tokens before it (the first token has none);
-    # complete from the first output on. None unless params.prompt_logprobs.
-    prompt_logprobs: list[TokenLogprobs] | None
-    # time.monotonic() readings, for TTFT, queue time and end-to-end latency.
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None  # None until finished
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -121,8 +99,8 @@ class Engine:
         self.transfer = KVTransfer(kv_caches, cpu_caches)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, self.kernels)
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set()
@@ -164,10 +142,7 @@ class Engine:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator)
         self.requests[request_id] = request
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.skip_special_tokens
-            )
+        self.outputs.add(request)
         self.scheduler.add(request)
         return request_id
 
@@ -184,7 +159,7 @@ class Engine:
             return
         self.scheduler.finish(request)
         request.finish_reason = "abort"
-        self._detokenizers.pop(request_id, None)
+        self.outputs.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -192,13 +167,24 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; outputs of the requests that advanced."""
+        """Schedule, run the model once, process its outputs: those of the requests that
+        produced a token."""
         batch = self.scheduler.schedule()
         self.transfer.run(batch.copies)
         self.kv.end_step()
         if not batch.requests:
             return []
         result = self.runner.execute(batch)
+        self._record_computed(batch, result)
+        outputs = self.outputs.process(result.sampled, result.sampler_output, time.monotonic())
+        self.num_generated_tokens_total += len(result.sampled)
+        for request in result.sampled:
+            if request.finish_reason is not None:
+                self._release(request)
+        return outputs
+
+    def _record_computed(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
+        """The batch's tokens now have K/V in the cache; full blocks join the prefix cache."""
         for request, logprobs in result.prompt_logprobs:
             request.prompt_logprobs.append(logprobs)  # type: ignore[union-attr]  # a list when asked for
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
@@ -206,73 +192,12 @@ class Engine:
                 self.num_prompt_tokens_total += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
             request.num_computed_tokens += num_new
             self.kv.cache_full_blocks(request)
-        outputs = []
-        now = time.monotonic()
-        sampled = result.sampler_output
-        for i, request in enumerate(result.sampled):
-            token = sampled.token_ids[i]
-            request.token_ids.append(token)
-            self.num_generated_tokens_total += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if sampled.logprobs[i] is not None:
-                request.logprobs.append(sampled.logprobs[i])
-            self._check_stop(request, token)
-            if request.finish_reason is not None:
-                request.finish_time = now
-                self.scheduler.finish(request)
-                self.num_finished_requests += 1
-            outputs.append(self._output(request))
-            if request.finished:
-                del self.requests[request.request_id]
-                self._detokenizers.pop(request.request_id, None)
-        return outputs
 
-    def _check_stop(self, request: Request, token: int) -> None:
-        params = request.params
-        piece = ""
-        detokenizer = self._detokenizers.get(request.request_id)
-        if detokenizer is not None:
-            piece = detokenizer.add(token)
-            request.text += piece
-        if request.num_output_tokens < params.min_tokens:
-            return  # the sampler already kept EOS and stop tokens out
-        if piece and params.stop:
-            searched_from = max(len(request.text) - len(piece) - max(map(len, params.stop)) + 1, 0)
-            if self._cut_stop_string(request, searched_from):
-                return
-        if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            request.finish_reason = "stop"
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            request.finish_reason = "length"
-
-    @staticmethod
-    def _cut_stop_string(request: Request, searched_from: int) -> bool:
-        """Finish at the earliest stop string in the new text and cut it off."""
-        found = [(i, s) for s in request.params.stop if (i := request.text.find(s, searched_from)) >= 0]
-        if not found:
-            return False
-        index, stop = min(found)
-        end = index + len(stop) if request.params.include_stop_str_in_output else index
-        request.text = request.text[:end]
-        request.finish_reason = "stop"
-        return True
-
-    def _output(self, request: Request) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=request.output_token_ids,
-            text=request.text,
-            finished=request.finished,
-            finish_reason=request.finish_reason,
-            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
-            prompt_logprobs=request.prompt_logprobs,  # complete by now, so shared without a copy
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finish_time=request.finish_time,
-        )
+    def _release(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.outputs.remove(request.request_id)
+        del self.requests[request.request_id]
+        self.num_finished_requests += 1
 
     # -- statistics -------------------------------------------------------------------
 

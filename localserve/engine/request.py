@@ -39,7 +39,6 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Entry p: prompt token p + 1 given the tokens before it; None unless params.prompt_logprobs.
     prompt_logprobs: list[TokenLogprobs] | None = None
-    text: str = ""
     first_scheduled_time: float | None = None  # queue time: first_scheduled_time - arrival_time
     first_token_time: float | None = None
     finish_time: float | None = None

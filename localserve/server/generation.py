@@ -13,7 +13,7 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from ..engine.async_engine import RequestStream
-from ..engine.engine import RequestOutput
+from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
 from ..text.tokenizer import Tokenizer
@@ -184,12 +184,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def holdback(params: SamplingParams) -> int:
-    """Characters a stream keeps back while unfinished: a stop string may be forming at
-    the end of the text, and the engine cuts it off once complete."""
-    return max(map(len, params.stop), default=1) - 1
 
 
 def token_text(tokenizer: Tokenizer | None, token_id: int) -> tuple[str, list[int]]:

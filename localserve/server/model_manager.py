@@ -23,7 +23,7 @@ from ..text.chat_template import ChatTemplate
 from ..engine.async_engine import AsyncEngine
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..text.tokenizer import Tokenizer
-from .catalog import ModelCatalog, ModelNotFoundError
+from .catalog import ModelCatalog
 from .config import DEFAULT_KEEP_ALIVE_S
 from .events import EventLog
 

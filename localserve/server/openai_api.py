@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.async_engine import RequestStream
-from ..engine.engine import RequestOutput
+from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
 from . import generation as gen
@@ -186,7 +186,7 @@ class _ChatShaper(_Shaper):
         finals: list[RequestOutput] = []
         async for index, output in outputs:
             choice = self.choices[index]
-            text, new_logprobs = sent[index].advance(output, choice.params)
+            text, new_logprobs = output.delta, sent[index].advance(output)
             if output.finished:
                 finals.append(output)
             if text or output.finished or new_logprobs:
@@ -198,22 +198,19 @@ class _ChatShaper(_Shaper):
 
 
 class _Sent:
-    """How much of one choice's cumulative text and tokens a stream has sent."""
+    """How many of one choice's tokens a stream has sent (the text to send is each
+    output's delta)."""
 
-    __slots__ = ("chars", "tokens")
+    __slots__ = ("tokens",)
 
     def __init__(self) -> None:
-        self.chars = 0
         self.tokens = 0
 
-    def advance(self, output: RequestOutput, params: Any) -> tuple[str, list[TokenLogprobs]]:
-        """The text and logprobs not sent yet; keeps back a possible stop string's start."""
-        end = len(output.text) if output.finished else len(output.text) - gen.holdback(params)
-        text = output.text[self.chars : end] if end > self.chars else ""
-        self.chars = max(self.chars, end)
+    def advance(self, output: RequestOutput) -> list[TokenLogprobs]:
+        """The logprobs not sent yet."""
         logprobs = gen.entries(output.logprobs, self.tokens)
         self.tokens = len(output.token_ids)
-        return text, logprobs
+        return logprobs
 
 
 class _EventStream(StreamingResponse):
@@ -330,7 +327,7 @@ class _CompletionShaper(_Shaper):
         async for index, output in outputs:
             choice = self.choices[index]
             start = sent[index].tokens
-            text, new_logprobs = sent[index].advance(output, choice.params)
+            text, new_logprobs = output.delta, sent[index].advance(output)
             with_prompt = echo_pending[index]
             if with_prompt:
                 text = self.prompt_text(choice) + text

@@ -1,0 +1,150 @@
+"""From sampled tokens to what callers read: detokenization, stop conditions and the
+text that is safe to stream.
+
+Every caller (the HTTP server, ``localserve run``, the Python API) reads the same
+``RequestOutput``: ``text`` is what may be shown so far and ``delta`` what of it is new
+since the request's previous output, so none of them keeps its own stop-string logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
+from .request import Request
+from .sampler import SamplerOutput, TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step. ``token_ids`` and ``text`` are cumulative;
+    ``delta`` is the text new since this request's previous output.
+
+    While the request runs, ``text`` leaves out a tail that may still become a stop
+    string (which is cut off, not shown); once finished it is the whole answer."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" or "length" once finished
+    logprobs: list[TokenLogprobs] | None
+    # Entry p: prompt token p + 1 given the tokens before it (the first token has none);
+    # complete from the first output on. None unless params.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprobs] | None
+    # time.monotonic() readings, for TTFT, queue time and end-to-end latency.
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None  # None until finished
+
+
+@dataclass(slots=True)
+class _Text:
+    """One request's text: decoded so far (a found stop string cut off) and how much of
+    it earlier outputs gave out."""
+
+    detokenizer: IncrementalDetokenizer | None
+    decoded: str = ""
+    shown: int = 0
+
+
+class OutputProcessor:
+    """Appends each step's sampled tokens to their requests, decides which requests
+    finish, and makes their outputs."""
+
+    def __init__(self, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._texts: dict[str, _Text] = {}
+
+    def add(self, request: Request) -> None:
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                 request.params.skip_special_tokens)
+        self._texts[request.request_id] = _Text(detokenizer)
+
+    def remove(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)
+
+    def process(self, sampled: list[Request], sampler_output: SamplerOutput, now: float) -> list[RequestOutput]:
+        """One output per request that produced a token; sets ``finish_reason`` and
+        ``finish_time`` on those that are done (the engine then releases them)."""
+        outputs = []
+        for i, request in enumerate(sampled):
+            token = sampler_output.token_ids[i]
+            request.token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if sampler_output.logprobs[i] is not None:
+                request.logprobs.append(sampler_output.logprobs[i])
+            text = self._texts[request.request_id]
+            request.finish_reason = self._finish_reason(request, text, token)
+            if request.finish_reason is not None:
+                request.finish_time = now
+            outputs.append(self._output(request, text))
+        return outputs
+
+    def _finish_reason(self, request: Request, text: _Text, token: int) -> str | None:
+        params = request.params
+        piece = text.detokenizer.add(token) if text.detokenizer is not None else ""
+        text.decoded += piece
+        if request.num_output_tokens < params.min_tokens:
+            return None  # the sampler already kept EOS and stop tokens out
+        if piece and params.stop and self._cut_stop_string(request, text):
+            return "stop"
+        if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _cut_stop_string(request: Request, text: _Text) -> bool:
+        """Cut the text at the earliest stop string in what is not shown yet. Every
+        stop string that began in shown text would have been held back, so looking
+        there alone finds each one once."""
+        found = [(i, s) for s in request.params.stop if (i := text.decoded.find(s, text.shown)) >= 0]
+        if not found:
+            return False
+        index, stop = min(found)
+        text.decoded = text.decoded[: index + len(stop) if request.params.include_stop_str_in_output else index]
+        return True
+
+    @staticmethod
+    def _output(request: Request, text: _Text) -> RequestOutput:
+        finished = request.finish_reason is not None
+        end = len(text.decoded) if finished else len(text.decoded) - _held_back(text.decoded, request.params.stop)
+        end = max(end, text.shown)
+        delta, text.shown = text.decoded[text.shown : end], end
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=request.output_token_ids,
+            text=text.decoded[:end],
+            delta=delta,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=request.prompt_logprobs,  # complete by now, so shared without a copy
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finish_time=request.finish_time,
+        )
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that begin a stop string (the whole string
+    too, which min_tokens may not have let count yet): the next tokens may complete it,
+    and then it is cut off, so it must not be shown before."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop), len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
