@@ -20,7 +20,7 @@ from localserve.bench.datasets import (SampleRequest, num_special_tokens, prefix
 from localserve.bench.load import arrival_times, drive, request_gaps
 from localserve.bench.metrics import peak_concurrency
 from localserve.bench.tokenizer import load_tokenizer
-from localserve.cli import main
+from localserve.cli.main import main
 
 from .conftest import SHARED, STORIES_HF
 

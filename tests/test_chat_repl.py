@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from localserve import chat_repl
-from localserve.chat_repl import ChatSettings, chat_loop, messages_for
+from localserve.cli import chat_repl
+from localserve.cli.chat_repl import ChatSettings, chat_loop, messages_for
 from localserve.errors import LocalserveError
 
 REPLY = ("Hel", "lo", "!")

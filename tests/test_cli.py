@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from localserve import __version__
-from localserve.cli import main
+from localserve.cli.main import main
 
 from .conftest import STORIES_HF
 
@@ -43,7 +43,7 @@ def test_run_takes_engine_options() -> None:
 @pytest.mark.parametrize(("text", "size"), [("1073741824", 1 << 30), ("4GiB", 4 << 30), ("512MiB", 512 << 20),
                                              ("2GB", 2 * 10**9), ("1.5g", 3 << 29), ("64 kib", 64 << 10)])
 def test_sizes_parse(text: str, size: int) -> None:
-    from localserve.cli import ByteSize
+    from localserve.cli.main import ByteSize
 
     assert ByteSize().convert(text, None, None) == size
 

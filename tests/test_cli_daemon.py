@@ -11,7 +11,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from localserve.cli import main
+from localserve.cli.main import main
 from localserve.registry import open_registry
 from localserve.registry.local import import_local
 from localserve.server.config import ServerConfig

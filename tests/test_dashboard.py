@@ -557,7 +557,7 @@ def test_sparkline_averages_when_there_are_more_values_than_columns() -> None:
 def test_cli_top_options() -> None:
     from click.testing import CliRunner
 
-    from localserve.cli import main
+    from localserve.cli.main import main
 
     result = CliRunner().invoke(main, ["top", "--help"])
     assert result.exit_code == 0 and "--url" in result.output and "--interval" in result.output

@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from localserve import EngineConfig
-from localserve.cli import main
-from localserve.planner import plan
+from localserve.cli.main import main
+from localserve.facts.fit import plan
 
 from .conftest import SHARED
 

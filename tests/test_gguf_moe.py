@@ -114,7 +114,7 @@ def test_f32_file_equals_transformers_and_llama_cpp(tmp_path, moe_model) -> None
 
 def test_planned_weights_equal_what_the_engine_holds(tmp_path, moe_model) -> None:
     """`localserve fit` sizes stacked experts from the header as the engine loads them."""
-    from localserve.planner import plan
+    from localserve.facts.fit import plan
 
     kind, model = moe_model
     path = q4_k_m_file(tmp_path, kind, model)

@@ -12,7 +12,8 @@ import torch
 from localserve import Engine, EngineConfig, LocalserveError
 from localserve.formats import open_checkpoint
 from localserve.formats.gguf_file import read_gguf, split_paths
-from localserve.model_info import model_info
+from localserve.formats.weights import tensor_sizes
+from localserve.facts.checkpoint import model_info
 
 from .conftest import random_prompt, relative_error
 from .gguf_writers import split_gguf, tiny_llama, write_gguf
@@ -81,7 +82,7 @@ def test_model_info_and_sizes_cover_all_shards(model_files) -> None:
     assert differing == {"path", "file_bytes"}
     assert split["file_bytes"] == sum(p.stat().st_size for p in shards)
     assert dict(lines)["model"] == str(shards[0])
-    sizes = [list(open_checkpoint(path).tensor_sizes(torch.float16)) for path in (single, shards[0])]
+    sizes = [list(tensor_sizes(open_checkpoint(path), torch.float16)) for path in (single, shards[0])]
     assert sizes[0] == sizes[1]
 
 

@@ -147,7 +147,8 @@ def test_unsupported_quantization_is_refused(tmp_path) -> None:
 
 
 def test_gptq_v1_zero_of_256_is_kept() -> None:
-    from localserve.formats.hf_quant import QuantConfig, gptq_to_quant_weight
+    from localserve.formats.hf import QuantConfig
+    from localserve.formats.hf_quant import gptq_to_quant_weight
 
     k, n = 32, 8
     qweight = torch.full((k * 8 // 32, n), 0x05050505, dtype=torch.int32)  # every code 5

@@ -100,7 +100,7 @@ def test_wheel_has_the_mapped_packages_data_and_entry_point(dists: tuple[Path, P
     assert {f"localserve/models/{p.name}" for p in (ROOT / "models").glob("*.py")} <= names
     assert {f"localserve/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")} <= names
     assert {"localserve/demo/stories260K.gguf", "localserve/demo/LICENSE"} <= names  # the built-in demo model
-    assert entry_points["console_scripts"]["localserve"] == "localserve.cli:main"
+    assert entry_points["console_scripts"]["localserve"] == "localserve.cli.main:main"
 
 
 def test_sdist_carries_what_builds_the_packages(dists: tuple[Path, Path]) -> None:

@@ -286,7 +286,7 @@ def test_nothing_is_written_outside_the_home(hub: FakeHub, tmp_path: Path) -> No
 def test_cli_pull_shows_progress_and_prints_json(hub: FakeHub, tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from localserve.cli import main
+    from localserve.cli.main import main
 
     runner = CliRunner(env={"LOCALSERVE_HOME": str(tmp_path / "home")})
     result = runner.invoke(main, ["pull", f"hf.co/{GGUF_REPO}:f32", "--json"])

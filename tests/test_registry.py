@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from localserve.cli import main
+from localserve.cli.main import main
 from localserve.errors import LocalserveError
 from localserve.registry import ModelName, open_registry, parse_name
 from localserve.registry.blobs import file_digest
@@ -155,7 +155,7 @@ def test_cli_verbs(tmp_path: Path) -> None:
 def test_a_new_registry_has_the_built_in_demo_model(tmp_path: Path) -> None:
     """stories260K ships in the package (no ../shared, no network): a new registry lists
     it as `demo`, `rm` removes it, and naming it brings it back."""
-    from localserve.model_info import model_info
+    from localserve.facts.checkpoint import model_info
     from localserve.registry.builtin import DEMO
 
     runner = CliRunner(env={"LOCALSERVE_HOME": str(tmp_path / "home")})
@@ -204,10 +204,31 @@ def test_registry_verbs_do_not_import_torch(tmp_path: Path, verb: list[str]) -> 
     import subprocess
     import sys
 
-    code = ("import sys\nfrom localserve.cli import main\n"
+    code = ("import sys\nfrom localserve.cli.main import main\n"
             f"try:\n    main({verb!r}, standalone_mode=False)\nexcept Exception:\n    pass\n"
             "print('torch' in sys.modules)")
     env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home"), "LOCALSERVE_URL": "http://127.0.0.1:9"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout
+
+
+@pytest.mark.parametrize("verbs", [
+    [["pull", str(STORIES_GGUF), "--name", "g"], ["show", "g"], ["show", "g", "--json"]],
+    [["pull", str(STORIES_HF), "--name", "h"], ["show", "h"], ["show", str(STORIES_HF)]],
+    [["show", "demo"], ["show", "demo", "--template"]],
+])
+def test_pull_of_a_file_and_show_do_not_import_torch(tmp_path: Path, verbs: list[list[str]]) -> None:
+    """Reading a checkpoint's metadata (spec, tokenizer, chat template, sizes) needs no
+    torch: the weights are what the engine reads (formats/weights.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom localserve.cli.main import main\n"
+            f"for verb in {verbs!r}:\n    main(verb, standalone_mode=False)\n"
+            "print('torch' in sys.modules)")
+    env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "architecture" in result.stdout or "{%" in result.stdout  # the verbs did their work
     assert result.stdout.strip().splitlines()[-1] == "False", result.stdout

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from localserve.cli import main
+from localserve.cli.main import main
 from localserve.errors import LocalserveError
 from localserve.server.config import ServerConfig
 from localserve.server.serve import check_bind

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from localserve.model_info import model_info
+from localserve.facts.checkpoint import model_info
 from localserve.registry import open_registry
 from localserve.registry.local import import_local
 from localserve.server.config import ServerConfig

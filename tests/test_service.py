@@ -168,7 +168,7 @@ def serve_settings(monkeypatch: pytest.MonkeyPatch, args: list[str], env: dict[s
     from click.testing import CliRunner
 
     import localserve.server.serve as serve_module
-    from localserve.cli import main
+    from localserve.cli.main import main
 
     seen = {}
 
@@ -211,7 +211,7 @@ def test_settings_come_from_the_command_line_then_environment_then_file(
 def test_a_bad_config_file_is_one_clear_error(tmp_path: Path, text: str, message: str) -> None:
     from click.testing import CliRunner
 
-    from localserve.cli import main
+    from localserve.cli.main import main
 
     config = tmp_path / "config.toml"
     config.write_text(text)

@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 import pytest
 
-from localserve.cli import serve
+from localserve.cli.main import serve
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 SYSTEM_UNIT = SYSTEMD / "localserve.service"

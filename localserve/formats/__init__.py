@@ -1,36 +1,30 @@
-"""Checkpoint readers: every on-disk format becomes a ModelSpec plus named weights."""
+"""Checkpoint readers: every on-disk format becomes a ModelSpec plus named weights.
+
+Opening a checkpoint reads its metadata alone (spec, tokenizer, chat template) and
+needs no torch, so ``localserve pull`` and ``show`` stay light; the weights come from
+``formats/weights.py`` when a model is loaded.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..text.chat_template import ChatTemplate
 from ..errors import LocalserveError
+from ..text.chat_template import ChatTemplate
 from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
-from ..kernels.quant_linear import QuantWeight
 from ..text.tokenizer import Tokenizer
 from . import hf
-from .gguf import ROPE_FREQS, chat_template_from_gguf, iter_gguf_weights, spec_from_gguf
+from .gguf import chat_template_from_gguf, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
-from .gguf_quants import loaded_nbytes
-from .hf_quant import QuantConfig, convert_quantized, quant_config_from
+from .hf import QuantConfig, quant_config_from
 from .spec import ModelSpec, RopeSpec
 
-NamedWeight = tuple[str, torch.Tensor | QuantWeight]
-
-
-@dataclass(slots=True, frozen=True)
-class TensorSize:
-    name: str  # as in the file
-    parameters: int  # model weights it holds (0 for quantization metadata)
-    file_bytes: int
-    loaded_bytes: int  # once loaded by localserve
+if TYPE_CHECKING:
+    from .weights import NamedWeight
 
 
 @dataclass(slots=True)
@@ -44,39 +38,10 @@ class Checkpoint:
     gguf: GGUFFile | None = None  # the parsed file, for .gguf checkpoints
 
     def weights(self) -> Iterator[NamedWeight]:
-        if self.gguf is not None:
-            return iter_gguf_weights(self.gguf, self.spec)
-        tensors = hf.iter_tensors(self.files)
-        return convert_quantized(tensors, self.quant) if self.quant else tensors
+        """(HF name, weight) for every weight, read from the files as iterated."""
+        from .weights import iter_weights  # torch: only when a model is loaded
 
-    def tensor_sizes(self, dtype: torch.dtype) -> Iterator[TensorSize]:
-        """Every tensor's parameters and bytes, from the file headers alone (no weights
-        are read); ``loaded_bytes`` assumes unquantized tensors become ``dtype``."""
-        item_bytes = torch.empty((), dtype=dtype).element_size()
-        if self.gguf is not None:
-            for info in self.gguf.tensors.values():
-                if info.name == ROPE_FREQS:
-                    continue
-                loaded = loaded_nbytes(info.name, info.ggml_type, info.shape, item_bytes)
-                yield TensorSize(info.name, info.n_elements, self.gguf.tensor_nbytes(info.name), loaded)
-            return
-        for name, shape, stored in hf.tensor_headers(self.files):
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
-                continue  # the embeddings serve as the head
-            if stored not in hf.SAFETENSORS_ITEM_BYTES:
-                raise LocalserveError(f"tensor {name!r} has safetensors dtype {stored}, which localserve cannot load")
-            numel = math.prod(shape)
-            file_bytes = numel * hf.SAFETENSORS_ITEM_BYTES[stored]
-            floating = stored.startswith(("F", "BF"))
-            # GPTQ/AWQ integer tensors keep their size (codes stay packed). A qweight word
-            # holds 32 / bits weights; scales, qzeros and g_idx are quantization metadata.
-            if self.quant is not None and name.endswith(".qweight"):
-                parameters = numel * 32 // self.quant.bits
-            elif floating and not (self.quant is not None and name.endswith(".scales")):
-                parameters = numel
-            else:
-                parameters = 0
-            yield TensorSize(name, parameters, file_bytes, numel * item_bytes if floating else file_bytes)
+        return iter_weights(self)
 
     def tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer, or None when it ships none."""
@@ -141,4 +106,4 @@ def _merge_generation_eos(path: Path, spec: ModelSpec) -> None:
             spec.eos_token_ids.append(token)
 
 
-__all__ = ["Checkpoint", "ModelSpec", "RopeSpec", "TensorSize", "open_checkpoint"]
+__all__ = ["Checkpoint", "ModelSpec", "RopeSpec", "open_checkpoint"]

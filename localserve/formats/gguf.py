@@ -1,27 +1,21 @@
-"""GGUF files (llama, qwen2, qwen3 architectures; Mixtral as llama with experts,
-qwen2moe, qwen3moe) -> ModelSpec + named weights.
-
-Tensor names are mapped to HF's (the experts' stacked ``*_exps`` tensors to
-``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert); block-quantized tensors become QuantWeights without
-loss (``gguf_quants``). llama.cpp's converter stores the Q and K projections of arch
-``llama`` with rotary pairs interleaved (rows permuted per head); we put the rows back
-in HF's half-split order so one rotary implementation serves every format.
+"""GGUF files' metadata (llama, qwen2, qwen3 architectures; Mixtral as llama with
+experts, qwen2moe, qwen3moe) -> ModelSpec and chat template, and the map from GGUF
+tensor names to HF's (the experts' stacked ``*_exps`` tensors to
+``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert). Needs no
+torch: formats/weights.py turns the tensors into weights.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
-import torch
+import numpy as np
 
-from ..text.chat_template import ChatTemplate
 from ..errors import LocalserveError
-from ..kernels.quant_linear import QuantWeight
+from ..text.chat_template import ChatTemplate
 from .architectures import ARCHITECTURES, GGUF_NAMES, by_gguf
 from .gguf_file import GGUFFile
-from .gguf_quants import gguf_to_weight
 from .spec import ModelSpec, RopeSpec
 
 _GLOBAL_NAMES = {
@@ -43,7 +37,7 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 # MoE tensors, under the layer's MoE block (``mlp`` or Mixtral's ``block_sparse_moe``).
-_MOE_NAMES = {
+MOE_NAMES = {
     "ffn_gate_inp": "gate",
     "ffn_gate_exps": "experts.gate_proj",
     "ffn_up_exps": "experts.up_proj",
@@ -53,7 +47,7 @@ _MOE_NAMES = {
     "ffn_up_shexp": "shared_expert.up_proj",
     "ffn_down_shexp": "shared_expert.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Per-dimension rotary frequency divisors (llama.cpp's form of llama3 rope scaling).
 ROPE_FREQS = "rope_freqs.weight"
 
@@ -61,11 +55,11 @@ ROPE_FREQS = "rope_freqs.weight"
 def hf_name(name: str, architecture: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    match = _LAYER_TENSOR.fullmatch(name)
+    match = LAYER_TENSOR.fullmatch(name)
     if match and match[2] in _LAYER_NAMES:
         return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
-    if match and match[2] in _MOE_NAMES:
-        return f"model.layers.{match[1]}.{ARCHITECTURES[architecture].moe_block}.{_MOE_NAMES[match[2]]}.{match[3]}"
+    if match and match[2] in MOE_NAMES:
+        return f"model.layers.{match[1]}.{ARCHITECTURES[architecture].moe_block}.{MOE_NAMES[match[2]]}.{match[3]}"
     return None
 
 
@@ -172,45 +166,16 @@ def _rope(gguf: GGUFFile, md: _Metadata, head_dim: int) -> RopeSpec:
         raise LocalserveError(f"{gguf.path}: rope scaling type {kind!r} is not supported (linear, yarn)")
     info = gguf.tensors.get(ROPE_FREQS)
     if info is not None:
-        factors = gguf_to_weight(ROPE_FREQS, gguf.tensor_bytes(ROPE_FREQS), info.ggml_type, info.shape)
-        if not isinstance(factors, torch.Tensor) or factors.shape != (rotary_dim // 2,):
-            raise LocalserveError(f"{gguf.path}: {ROPE_FREQS} must be {rotary_dim // 2} plain floats")
-        rope.freq_factors = tuple(factors.float().tolist())
+        stored = _PLAIN_FLOATS.get(info.ggml_type)
+        if stored is None or info.shape != (rotary_dim // 2,):
+            raise LocalserveError(f"{gguf.path}: {ROPE_FREQS} must be {rotary_dim // 2} plain floats (F32 or F16)")
+        factors = gguf.tensor_bytes(ROPE_FREQS).view(stored)
+        rope.freq_factors = tuple(float(f) for f in factors)
     return rope
 
 
-def _interleaved_to_half_split(rows: int, heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's Q/K permutation: GGUF row i holds HF row
-    ``forward[i]``, so HF row j is GGUF row ``argsort(forward)[j]``."""
-    forward = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
-    return torch.argsort(forward)
-
-
-def iter_gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
-    # Arch llama (Mixtral included) has its Q/K rows permuted by the converter.
-    permuted = ARCHITECTURES[spec.architecture].gguf_permuted_qk
-    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if permuted else {}
-    for info in gguf.tensors.values():
-        if info.name == ROPE_FREQS:
-            continue
-        name = hf_name(info.name, spec.architecture)
-        if name is None:
-            raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a {spec.architecture} model")
-        weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
-        gguf.drop_pages(info.name)  # the weight is a copy
-        match = _LAYER_TENSOR.fullmatch(info.name)
-        if match and isinstance(weight, torch.Tensor) and match[2] in _MOE_NAMES:
-            # Stacked experts [E, N, K] -> rows expert after expert, as quantized ones
-            # come; the shared expert's gate, a vector in GGUF, is HF's [1, hidden].
-            weight = weight.reshape(-1, weight.shape[-1])
-        heads = permuted_heads.get(match[2]) if match else None
-        if heads is not None:
-            rows = weight.shape[0]
-            if rows % (2 * heads):
-                raise LocalserveError(f"{gguf.path}: {info.name} has {rows} rows, not a multiple of 2 x {heads} heads")
-            order = _interleaved_to_half_split(rows, heads)
-            weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight.index_select(0, order)
-        yield name, weight
+# GGML type id -> numpy dtype, for the small float vectors read with the metadata.
+_PLAIN_FLOATS = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 
 
 def chat_template_from_gguf(gguf: GGUFFile) -> ChatTemplate:

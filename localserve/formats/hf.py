@@ -1,4 +1,6 @@
-"""HF checkpoints: config.json -> ModelSpec, safetensors (sharded or not) -> named tensors.
+"""HF checkpoints' metadata: config.json -> ModelSpec and QuantConfig, the safetensors
+shards and their headers. Reads no tensor data and needs no torch (formats/weights.py
+loads the tensors).
 
 Tensor names stay in HF's naming (``model.layers.N.self_attn.q_proj.weight``); it is
 the canonical naming that other readers (GGUF) map onto.
@@ -8,10 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
@@ -159,22 +161,6 @@ def shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor in the shards. safetensors validates the header
-    and every offset against the file size before handing out data."""
-    seen: set[str] = set()
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():
-                    if name in seen:
-                        raise LocalserveError(f"{path}: tensor {name} appears in two shards")
-                    seen.add(name)
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc
-
-
 # safetensors dtype names -> bytes per element.
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
                           "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -185,9 +171,49 @@ def tensor_headers(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], st
     alone: no tensor data is read."""
     for path in files:
         try:
-            with safe_open(path, framework="pt") as handle:
+            with safe_open(path, framework="numpy") as handle:
                 for name in handle.keys():
                     view = handle.get_slice(name)
                     yield name, tuple(view.get_shape()), view.get_dtype()
         except SafetensorError as exc:
             raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc
+
+
+@dataclass(slots=True, frozen=True)
+class QuantConfig:
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group over all inputs
+    zeros_minus_one: bool = False  # GPTQ v1
+    zero_point: bool = True  # AWQ: False means symmetric (zero 8)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Tensor name suffixes that belong to a quantized layer."""
+        return ("qweight", "qzeros", "scales", "g_idx") if self.method == "gptq" else ("qweight", "qzeros", "scales")
+
+
+def quant_config_from(config: dict[str, Any]) -> QuantConfig | None:
+    raw = config.get("quantization_config")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise LocalserveError("config.json: quantization_config must be an object")
+    method = raw.get("quant_method")
+    bits = raw.get("bits", raw.get("w_bit"))
+    group_size = raw.get("group_size", raw.get("q_group_size", 128))
+    if method == "gptq":
+        if bits not in (4, 8):
+            raise LocalserveError(f"GPTQ with {bits} bits is not supported (4 and 8 are)")
+        fmt = raw.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise LocalserveError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+        return QuantConfig("gptq", bits, int(group_size), zeros_minus_one=fmt == "gptq")
+    if method == "awq":
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise LocalserveError(f"AWQ version {version!r} is not supported (only 'gemm')")
+        if bits != 4:
+            raise LocalserveError(f"AWQ with {bits} bits is not supported (4 is)")
+        return QuantConfig("awq", 4, int(group_size), zero_point=bool(raw.get("zero_point", True)))
+    raise LocalserveError(f"quant_method {method!r} is not supported (gptq, awq)")

@@ -9,56 +9,15 @@ output columns per word of ``qweight [K, N/8]`` in the nibble order 0, 2, 4, 6, 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..errors import LocalserveError
 from ..kernels.quant_linear import QuantWeight, pack_codes
+from .hf import QuantConfig
 
 # Column 8c + j of an AWQ word sits in nibble AWQ_NIBBLE_OF_COLUMN[j].
 AWQ_NIBBLE_OF_COLUMN = [0, 4, 1, 5, 2, 6, 3, 7]
-
-
-@dataclass(slots=True, frozen=True)
-class QuantConfig:
-    method: str  # "gptq" or "awq"
-    bits: int
-    group_size: int  # -1: one group over all inputs
-    zeros_minus_one: bool = False  # GPTQ v1
-    zero_point: bool = True  # AWQ: False means symmetric (zero 8)
-
-    @property
-    def parts(self) -> tuple[str, ...]:
-        """Tensor name suffixes that belong to a quantized layer."""
-        return ("qweight", "qzeros", "scales", "g_idx") if self.method == "gptq" else ("qweight", "qzeros", "scales")
-
-
-def quant_config_from(config: dict[str, Any]) -> QuantConfig | None:
-    raw = config.get("quantization_config")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise LocalserveError("config.json: quantization_config must be an object")
-    method = raw.get("quant_method")
-    bits = raw.get("bits", raw.get("w_bit"))
-    group_size = raw.get("group_size", raw.get("q_group_size", 128))
-    if method == "gptq":
-        if bits not in (4, 8):
-            raise LocalserveError(f"GPTQ with {bits} bits is not supported (4 and 8 are)")
-        fmt = raw.get("checkpoint_format", "gptq")
-        if fmt not in ("gptq", "gptq_v2"):
-            raise LocalserveError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-        return QuantConfig("gptq", bits, int(group_size), zeros_minus_one=fmt == "gptq")
-    if method == "awq":
-        version = str(raw.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise LocalserveError(f"AWQ version {version!r} is not supported (only 'gemm')")
-        if bits != 4:
-            raise LocalserveError(f"AWQ with {bits} bits is not supported (4 is)")
-        return QuantConfig("awq", 4, int(group_size), zero_point=bool(raw.get("zero_point", True)))
-    raise LocalserveError(f"quant_method {method!r} is not supported (gptq, awq)")
 
 
 def _unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import LocalserveError
 from ..formats import Checkpoint, open_checkpoint
-from ..model_info import model_info
+from ..facts.checkpoint import model_info
 from .names import ModelName, parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
 

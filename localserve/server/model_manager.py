@@ -121,7 +121,7 @@ class LoadedModel:
     def description(self) -> dict[str, str]:
         """Its format and quantization (``localserve show``'s words), worked out once."""
         if self._description is None:
-            from ..model_info import checkpoint_format, quantization
+            from ..facts.checkpoint import checkpoint_format, quantization
 
             checkpoint = self.engine.engine.checkpoint
             self._description = {"format": checkpoint_format(checkpoint), "quantization": quantization(checkpoint)}

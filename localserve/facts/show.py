@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .formats import Checkpoint, open_checkpoint
-from .model_info import model_info
-from .registry import ModelRecord, open_registry
-from .registry.local import role_of
+from ..formats import Checkpoint, open_checkpoint
+from .checkpoint import model_info
+from ..registry import ModelRecord, open_registry
+from ..registry.local import role_of
 
 _LICENSE_TEXT_LIMIT = 1 << 20
 

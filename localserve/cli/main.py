@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from . import __version__
+from .. import __version__
 from click.core import ParameterSource
 
-from .config import config_file_option, default_config_path, env_for_every_option, reread
-from .engine.config import KV_CACHE_DTYPES, EngineConfig
-from .errors import LocalserveError
+from .options import config_file_option, default_config_path, env_for_every_option, reread
+from ..engine.config import KV_CACHE_DTYPES, EngineConfig
+from ..errors import LocalserveError
 
 if TYPE_CHECKING:
     from .run_backends import Backend
@@ -70,7 +70,7 @@ class ModelPath(click.ParamType):
     name = "MODEL"
 
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        from .registry import resolve_model
+        from ..registry import resolve_model
 
         try:
             return resolve_model(str(value))
@@ -180,9 +180,9 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
 def _run_backend(model: str, device: str | None, dtype: str | None, options: dict[str, object]) -> Backend:
     """The daemon when one is reachable and serves ``model`` (a registry name), else an
     engine in this process."""
-    from .client import DaemonClient
-    from .engine.engine import Engine
-    from .registry import open_registry
+    from ..client import DaemonClient
+    from ..engine.engine import Engine
+    from ..registry import open_registry
     from .run_backends import LocalBackend, daemon_backend
 
     path = Path(model).expanduser()
@@ -243,10 +243,10 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
     environment (LOCALSERVE_<OPTION>) or a config file; SIGTERM drains and exits,
     SIGHUP reloads the model list. Registry models are served on request; with no
     --model, the built-in `demo` model is loaded at start."""
-    from .logs import configure_logging
-    from .server.config import ServerConfig
-    from .server.model_manager import parse_keep_alive
-    from .server.serve import serve as run_server
+    from ..logs import configure_logging
+    from ..server.config import ServerConfig
+    from ..server.model_manager import parse_keep_alive
+    from ..server.serve import serve as run_server
 
     configure_logging(log_level)
     sources = dict(model_source(value) for value in models)
@@ -254,8 +254,8 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
         keep_alive_s = parse_keep_alive(keep_alive)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
-    from .registry import default_home
-    from .registry.builtin import DEMO
+    from ..registry import default_home
+    from ..registry.builtin import DEMO
 
     # With no --model, the built-in demo model is loaded at start: a fresh machine serves it.
     server_config = ServerConfig(
@@ -296,7 +296,7 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
 
     import torch
 
-    from .planner import describe, plan
+    from ..facts.fit import describe, plan
 
     if gpu_memory is None:
         if not torch.cuda.is_available():
@@ -320,7 +320,7 @@ def show(model: str, as_json: bool, show_template: bool, show_license: bool) -> 
     quantization, size, chat template, license and files."""
     import json
 
-    from .model_facts import model_facts
+    from ..facts.show import model_facts
 
     facts, lines = model_facts(model)
     if show_template:
@@ -352,9 +352,9 @@ def pull(source: str, name: str | None, sha256: str | None, as_json: bool) -> No
     the model is listed."""
     import json
 
-    from .registry import open_registry
-    from .registry.pull import progress_bar
-    from .registry.pull import pull as pull_model
+    from ..registry import open_registry
+    from ..registry.pull import progress_bar
+    from ..registry.pull import pull as pull_model
 
     progress = progress_bar()
     try:
@@ -375,7 +375,7 @@ def ps(as_json: bool) -> None:
     """The models the daemon has loaded, their memory and when they unload."""
     import json
 
-    from .client import DaemonClient
+    from ..client import DaemonClient
 
     answer = DaemonClient().get("/api/ps")
     if as_json:
@@ -395,7 +395,7 @@ def ps(as_json: bool) -> None:
 @click.argument("model")
 def stop(model: str) -> None:
     """Unload MODEL from the daemon now (requests still running on it end with an error)."""
-    from .client import DaemonClient
+    from ..client import DaemonClient
 
     answer = DaemonClient().post("/api/unload", {"model": model})
     click.echo(f"stopped {answer['model']}" if answer["unloaded"] else f"{answer['model']} was not loaded")
@@ -407,9 +407,9 @@ def stop(model: str) -> None:
               help="Seconds between refreshes.")
 def top(url: str | None, interval: float) -> None:
     """A live dashboard of the daemon: models, KV cache, scheduler, throughput, requests, events."""
-    from .client import DaemonClient, daemon_url
-    from .tui.app import Dashboard
-    from .tui.source import HttpStatsSource
+    from ..client import DaemonClient, daemon_url
+    from ..tui.app import Dashboard
+    from ..tui.source import HttpStatsSource
 
     url = (url or daemon_url()).rstrip("/")
     # A short timeout: a hung daemon should read as "disconnected", not freeze the numbers.
@@ -471,9 +471,9 @@ def bench(url: str | None, goodput: tuple[str, ...], metric_percentiles: str, as
     import json
     from contextlib import nullcontext
 
-    from .bench import BenchConfig, parse_goodput, parse_percentiles, run_benchmark
-    from .bench.report import plot, print_tables, progress_bar
-    from .bench.report import save_result as write_result
+    from ..bench import BenchConfig, parse_goodput, parse_percentiles, run_benchmark
+    from ..bench.report import plot, print_tables, progress_bar
+    from ..bench.report import save_result as write_result
 
     if plot_path is not None:
         try:
@@ -502,8 +502,8 @@ def list_models(as_json: bool) -> None:
     """The models in the registry."""
     import json
 
-    from .units import human_count
-    from .registry import open_registry
+    from ..units import human_count
+    from ..registry import open_registry
 
     records = open_registry().list()
     if as_json:
@@ -519,7 +519,7 @@ def list_models(as_json: bool) -> None:
 @click.argument("names", nargs=-1, required=True)
 def rm(names: tuple[str, ...]) -> None:
     """Remove models from the registry (blobs another model uses are kept)."""
-    from .registry import open_registry
+    from ..registry import open_registry
 
     registry = open_registry()
     for name in names:
@@ -532,14 +532,14 @@ def rm(names: tuple[str, ...]) -> None:
 @click.argument("destination")
 def cp(source: str, destination: str) -> None:
     """Give a registered model another name (no data is copied)."""
-    from .registry import open_registry
+    from ..registry import open_registry
 
     record = open_registry().copy(source, destination)
     click.echo(f"copied {source} to {record.name}")
 
 
 def _size(size: int) -> str:
-    from .units import human_bytes
+    from ..units import human_bytes
 
     return human_bytes(size)
 
@@ -555,6 +555,3 @@ def _echo_lines(lines: list[tuple[str, str]]) -> None:
     for label, text in lines:
         click.echo(f"{label:<{width}}  {text}")
 
-
-if __name__ == "__main__":
-    main()

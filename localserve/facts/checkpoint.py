@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .formats import Checkpoint, open_checkpoint
-from .formats.gguf_file import GGML_TYPES
-from .planner import describe_parameters
-from .units import human_bytes
+from ..formats import Checkpoint, open_checkpoint
+from ..formats.gguf_file import GGML_TYPES
+from ..formats.spec import ModelSpec
+from ..units import human_bytes, human_count
 
 
 def quantization(checkpoint: Checkpoint) -> str:
@@ -80,3 +80,11 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         ("weights", f"{info['quantization']}; {human_bytes(file_bytes)}"),
     ]
     return info, lines
+
+
+def describe_parameters(spec: ModelSpec) -> str:
+    counts = spec.parameter_counts()
+    if not spec.num_experts:
+        return human_count(counts.total)
+    return (f"{human_count(counts.total)} ({spec.num_experts} experts, {spec.num_experts_per_tok} per token: "
+            f"{human_count(counts.active)} active)")

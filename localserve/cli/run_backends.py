@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .chat_repl import ChatSettings
-from .client import DaemonClient, DaemonError
+from ..client import DaemonClient, DaemonError
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from ..engine.engine import Engine
 
 
 class Backend(Protocol):
@@ -72,13 +72,13 @@ class LocalBackend:
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Once, here: the prompt's length decides max_tokens, and the ids go to the engine.
         if self.engine.tokenizer is None:
-            from .errors import LocalserveError
+            from ..errors import LocalserveError
 
             raise LocalserveError("this model has no tokenizer, so it cannot take text")
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _stream(self, prompt: list[int], settings: ChatSettings) -> Iterator[str]:
-        from .engine.sampling_params import SamplingParams
+        from ..engine.sampling_params import SamplingParams
 
         room = max(self.engine.max_model_len - len(prompt), 1)  # the engine refuses a prompt with no room
         fields = _sampling_fields(settings)
@@ -106,6 +106,6 @@ def daemon_backend(client: DaemonClient, model: str, path: Path) -> DaemonBacken
 
 
 def has_chat_template(path: Path) -> bool:
-    from .formats import open_checkpoint
+    from ..formats import open_checkpoint
 
     return open_checkpoint(path).chat_template_or_none() is not None

@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from .errors import LocalserveError
+from ..errors import LocalserveError
 
 ENV_PREFIX = "LOCALSERVE_"
 

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 
-from .errors import LocalserveError
+from ..errors import LocalserveError
 
 __all__ = ["CONTINUATION_PROMPT", "ChatSettings", "Generate", "HELP", "PROMPT", "chat_loop", "messages_for",
            "stdin_reader", "write_stdout"]

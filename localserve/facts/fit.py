@@ -17,19 +17,20 @@ from pathlib import Path
 
 import torch
 
-from .engine.config import EngineConfig
-from .engine.engine import pick_dtype
-from .engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak, pool_sizes
-from .formats import Checkpoint, ModelSpec, open_checkpoint
-from .units import human_bytes, human_count
-
+from ..engine.config import EngineConfig
+from ..engine.engine import pick_dtype
+from ..engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak, pool_sizes
+from ..formats import Checkpoint, ModelSpec, open_checkpoint
+from ..formats.weights import tensor_sizes
+from ..units import human_bytes
+from .checkpoint import describe_parameters
 
 
 @dataclass(slots=True, frozen=True)
 class WeightSizes:
     parameters: int  # all of them, every expert counted
     file_bytes: int
-    loaded_bytes: int  # as localserve holds them (see Checkpoint.tensor_sizes)
+    loaded_bytes: int  # as localserve holds them (see formats/weights.py: tensor_sizes)
     expert_bytes_by_layer: dict[int, int]  # loaded bytes of each MoE layer's routed experts
 
     def host_expert_bytes(self, layers: int) -> int:
@@ -124,7 +125,7 @@ _EXPERT_TENSOR = re.compile(r"(?:model\.layers|blk)\.(\d+)\..*(?:\.experts\.|_ex
 def weight_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightSizes:
     parameters = file_bytes = loaded_bytes = 0
     expert_bytes: dict[int, int] = {}
-    for tensor in checkpoint.tensor_sizes(dtype):
+    for tensor in tensor_sizes(checkpoint, dtype):
         parameters += tensor.parameters
         file_bytes += tensor.file_bytes
         loaded_bytes += tensor.loaded_bytes
@@ -200,13 +201,3 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
         lines.append(("CPU offload", f"{plan.cpu_sequences:,} more sequences held in host memory while swapped out "
                                      f"({plan.cpu_blocks * plan.block_size:,} tokens)"))
     return lines
-
-
-def describe_parameters(spec: ModelSpec) -> str:
-    counts = spec.parameter_counts()
-    if not spec.num_experts:
-        return human_count(counts.total)
-    return (f"{human_count(counts.total)} ({spec.num_experts} experts, {spec.num_experts_per_tok} per token: "
-            f"{human_count(counts.active)} active)")
-
-

@@ -1,0 +1,5 @@
+"""``python -m localserve.cli``: the ``localserve`` command."""
+
+from .main import main
+
+main()

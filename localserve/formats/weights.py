@@ -1,0 +1,132 @@
+"""A checkpoint's weights, read from its files: the one part of the readers that needs
+torch, used when a model is loaded (and by ``localserve fit`` for the loaded sizes).
+
+GGUF block-quantized tensors become QuantWeights without loss (``gguf_quants``), GPTQ
+and AWQ layers too (``hf_quant``). llama.cpp's converter stores the Q and K projections
+of arch ``llama`` with rotary pairs interleaved (rows permuted per head); the rows go
+back in HF's half-split order so one rotary implementation serves every format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import LocalserveError
+from ..kernels.quant_linear import QuantWeight
+from . import hf
+from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
+from .gguf_file import GGUFFile
+from .gguf_quants import gguf_to_weight, loaded_nbytes
+from .hf_quant import convert_quantized
+from .architectures import ARCHITECTURES
+from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    from . import Checkpoint
+
+NamedWeight = tuple[str, torch.Tensor | QuantWeight]
+
+
+def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
+    """(HF name, weight) for every weight of the checkpoint, read as iterated."""
+    if checkpoint.gguf is not None:
+        return _gguf_weights(checkpoint.gguf, checkpoint.spec)
+    tensors = _safetensors(checkpoint.files)
+    return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors
+
+
+def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in the shards. safetensors validates the header
+    and every offset against the file size before handing out data."""
+    seen: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():
+                    if name in seen:
+                        raise LocalserveError(f"{path}: tensor {name} appears in two shards")
+                    seen.add(name)
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc
+
+
+def _gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[NamedWeight]:
+    # Arch llama (Mixtral included) has its Q/K rows permuted by the converter.
+    permuted = ARCHITECTURES[spec.architecture].gguf_permuted_qk
+    permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if permuted else {}
+    for info in gguf.tensors.values():
+        if info.name == ROPE_FREQS:
+            continue  # read with the metadata, into the spec
+        name = hf_name(info.name, spec.architecture)
+        if name is None:
+            raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a {spec.architecture} model")
+        weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
+        gguf.drop_pages(info.name)  # the weight is a copy
+        match = LAYER_TENSOR.fullmatch(info.name)
+        if match and isinstance(weight, torch.Tensor) and match[2] in MOE_NAMES:
+            # Stacked experts [E, N, K] -> rows expert after expert, as quantized ones
+            # come; the shared expert's gate, a vector in GGUF, is HF's [1, hidden].
+            weight = weight.reshape(-1, weight.shape[-1])
+        heads = permuted_heads.get(match[2]) if match else None
+        if heads is not None:
+            rows = weight.shape[0]
+            if rows % (2 * heads):
+                raise LocalserveError(f"{gguf.path}: {info.name} has {rows} rows, not a multiple of 2 x {heads} heads")
+            order = _interleaved_to_half_split(rows, heads)
+            weight = weight.rows(order) if isinstance(weight, QuantWeight) else weight.index_select(0, order)
+        yield name, weight
+
+
+def _interleaved_to_half_split(rows: int, heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation: GGUF row i holds HF row
+    ``forward[i]``, so HF row j is GGUF row ``argsort(forward)[j]``."""
+    forward = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(forward)
+
+
+@dataclass(slots=True, frozen=True)
+class TensorSize:
+    name: str  # as in the file
+    parameters: int  # model weights it holds (0 for quantization metadata)
+    file_bytes: int
+    loaded_bytes: int  # once loaded by localserve
+
+
+def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorSize]:
+    """Every tensor's parameters and bytes, from the file headers alone (no weights are
+    read); ``loaded_bytes`` assumes unquantized tensors become ``dtype``."""
+    item_bytes = torch.empty((), dtype=dtype).element_size()
+    if checkpoint.gguf is not None:
+        gguf = checkpoint.gguf
+        for info in gguf.tensors.values():
+            if info.name == ROPE_FREQS:
+                continue
+            loaded = loaded_nbytes(info.name, info.ggml_type, info.shape, item_bytes)
+            yield TensorSize(info.name, info.n_elements, gguf.tensor_nbytes(info.name), loaded)
+        return
+    quant = checkpoint.quant
+    for name, shape, stored in hf.tensor_headers(checkpoint.files):
+        if name == "lm_head.weight" and checkpoint.spec.tie_word_embeddings:
+            continue  # the embeddings serve as the head
+        if stored not in hf.SAFETENSORS_ITEM_BYTES:
+            raise LocalserveError(f"tensor {name!r} has safetensors dtype {stored}, which localserve cannot load")
+        numel = math.prod(shape)
+        file_bytes = numel * hf.SAFETENSORS_ITEM_BYTES[stored]
+        floating = stored.startswith(("F", "BF"))
+        # GPTQ/AWQ integer tensors keep their size (codes stay packed). A qweight word
+        # holds 32 / bits weights; scales, qzeros and g_idx are quantization metadata.
+        if quant is not None and name.endswith(".qweight"):
+            parameters = numel * 32 // quant.bits
+        elif floating and not (quant is not None and name.endswith(".scales")):
+            parameters = numel
+        else:
+            parameters = 0
+        yield TensorSize(name, parameters, file_bytes, numel * item_bytes if floating else file_bytes)
