@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import attention_ref, cpu_library
-from .attention import AttentionMetadata
+from .paged_kv import AttentionMetadata
 from .attention_ref import write_kv
 
 __all__ = ["paged_attention", "write_kv"]

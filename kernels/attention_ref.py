@@ -12,18 +12,10 @@ magnitude. Attention dequantizes to the query dtype before its matmuls.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .attention import AttentionMetadata
-
-# The largest code of each 8-bit cache dtype.
-KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-# Floor for a scale, so an all-zero head vector divides by something: its codes are 0.
-MIN_KV_SCALE = 1e-30
+from .paged_kv import KV_QMAX, MIN_KV_SCALE, AttentionMetadata
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

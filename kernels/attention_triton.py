@@ -7,16 +7,11 @@ is the definition of correct. Both kernels use only plain ``tl.load``/``tl.store
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-from .attention_ref import KV_QMAX, MIN_KV_SCALE
-
-if TYPE_CHECKING:
-    from .attention import AttentionMetadata
+from .paged_kv import KV_QMAX, MIN_KV_SCALE, AttentionMetadata
 
 # exp(x) == exp2(x * log2(e)); folding log2(e) into the softmax scale lets the inner
 # loop use exp2, which maps to a single hardware instruction.

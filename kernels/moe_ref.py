@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .moe import ExpertMLP, expert_mlp
-from .quant_linear import QuantWeight, quant_linear_ref
+from .experts import ExpertMLP, expert_mlp
+from .quant_linear import quant_linear_ref
+from .quant_weight import QuantWeight
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight) -> torch.Tensor:

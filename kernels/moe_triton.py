@@ -45,8 +45,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .moe import ExpertMLP, ExpertWeights
-from .quant_linear import QuantWeight
+from .experts import ExpertMLP, ExpertWeights
+from .quant_weight import QuantWeight
 from .quant_linear_triton import _MIN_DOT_DIM, _dequantize_tile, _largest_pow2_divisor
 from .quant_linear_triton import _choose_block_k as _choose_quant_block_k
 from .quant_linear_triton import supports as _quant_supports

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cpu_library
-from .quant_linear import QuantWeight, unpack_codes
+from .quant_weight import QuantWeight, unpack_codes
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 2, torch.int8: 3, torch.int16: 4}
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant_linear import QuantWeight
+from .quant_weight import QuantWeight
 
 # tl.dot requires every dimension to be at least 16; group sizes are multiples of it.
 _MIN_DOT_DIM = 16

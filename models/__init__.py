@@ -11,7 +11,7 @@ import torch
 from localserve.errors import LocalserveError
 from localserve.formats.architectures import ARCHITECTURES
 from localserve.formats.spec import ModelSpec
-from localserve.kernels.quant_linear import QuantWeight
+from localserve.kernels.quant_weight import QuantWeight
 
 from .layers import Linear
 from .llama import LlamaForCausalLM, Slot

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localserve.kernels.quant_linear import QuantWeight, concat_rows, dequantize, linear
+from localserve.kernels.quant_linear import linear
+
+from localserve.kernels.quant_weight import QuantWeight, concat_rows, dequantize
 from localserve.kernels.quant_linear_cpu import TiledWeight, for_int8_kernel
 
 Weight = torch.Tensor | QuantWeight | TiledWeight

@@ -9,8 +9,9 @@ from torch import nn
 
 from localserve.errors import LocalserveError
 from localserve.formats.spec import ModelSpec
-from localserve.kernels.moe import ExpertMLP, ExpertWeights, fused_moe, route
-from localserve.kernels.quant_linear import QuantWeight
+from localserve.kernels.experts import ExpertMLP, ExpertWeights
+from localserve.kernels.moe import fused_moe, route
+from localserve.kernels.quant_weight import QuantWeight
 
 from .layers import MLP, Linear, Weight
 

@@ -4,8 +4,8 @@ unowned slots hold NaN, so a kernel that reads what it should mask poisons its o
 import torch
 
 from localserve.kernels import attention_ref
-from localserve.kernels.attention import AttentionMetadata
-from localserve.kernels.attention_ref import KV_QMAX, quantize_kv
+from localserve.kernels.attention_ref import quantize_kv
+from localserve.kernels.paged_kv import KV_QMAX, AttentionMetadata
 
 
 def unowned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

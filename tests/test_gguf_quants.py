@@ -16,7 +16,7 @@ from gguf.quants import quantize as reference_quantize  # noqa: E402
 from localserve.errors import LocalserveError  # noqa: E402
 from localserve.formats import gguf_quants  # noqa: E402
 from localserve.formats.gguf_quants import gguf_to_weight  # noqa: E402
-from localserve.kernels.quant_linear import QuantWeight, dequantize  # noqa: E402
+from localserve.kernels.quant_weight import QuantWeight, dequantize  # noqa: E402
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]

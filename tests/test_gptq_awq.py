@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 from localserve import LLM, Engine, EngineConfig, LocalserveError, SamplingParams
 from localserve.formats import open_checkpoint
-from localserve.kernels.quant_linear import QuantWeight, dequantize_in_input_order
+from localserve.kernels.quant_weight import QuantWeight, dequantize_in_input_order
 
 from .conftest import SHARED, hf_logits, random_prompt, reinitialise, relative_error
 from .quant_writers import awq_layer, gptq_layer, numpy_unpack_gptq

@@ -12,9 +12,11 @@ import torch
 
 from localserve.formats.gguf_quants import gguf_to_weight
 from localserve.kernels import cpu_library
-from localserve.kernels.moe import ExpertMLP, ExpertWeights, expert_mlp, fused_moe, fused_moe_cpu, route
+from localserve.kernels.experts import ExpertMLP, ExpertWeights, expert_mlp
+from localserve.kernels.moe import fused_moe, fused_moe_cpu, route
 from localserve.kernels.moe_ref import fused_moe_ref
-from localserve.kernels.quant_linear import QuantWeight, quant_linear_ref, quantize_activations
+from localserve.kernels.quant_linear import quant_linear_ref, quantize_activations
+from localserve.kernels.quant_weight import QuantWeight
 from localserve.kernels.quant_linear_cpu import TiledWeight
 
 E, H, I = 8, 64, 96

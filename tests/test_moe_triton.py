@@ -20,9 +20,9 @@ triton, DEVICE, INTERPRETED = triton_or_skip()
 
 from localserve.kernels import moe  # noqa: E402
 from localserve.kernels import moe_triton  # noqa: E402
-from localserve.kernels.moe import ExpertMLP, ExpertWeights  # noqa: E402
+from localserve.kernels.experts import ExpertMLP, ExpertWeights  # noqa: E402
 from localserve.kernels.moe_ref import fused_moe_ref  # noqa: E402
-from localserve.kernels.quant_linear import QuantWeight, pack_codes  # noqa: E402
+from localserve.kernels.quant_weight import QuantWeight, pack_codes  # noqa: E402
 
 # Relative to the largest output: the kernel sums in another order than torch.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}

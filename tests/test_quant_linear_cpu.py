@@ -12,8 +12,8 @@ import torch
 
 from localserve.kernels import cpu_library, quant_linear_cpu
 from localserve.kernels.dispatch import KernelChoice, using
-from localserve.kernels.quant_linear import (QuantWeight, dequantize, linear, pack_codes, quant_linear,
-                                             quant_linear_ref, quantize_activations)
+from localserve.kernels.quant_linear import linear, quant_linear, quant_linear_ref, quantize_activations
+from localserve.kernels.quant_weight import QuantWeight, dequantize, pack_codes
 from localserve.kernels.quant_linear_cpu import (TiledWeight, can_tile, float_linear, grouped_int8_linear, int8_linear,
                                                  tile, weight_table)
 

@@ -18,7 +18,8 @@ triton, DEVICE, INTERPRETED = triton_or_skip()
 
 from localserve.kernels import quant_linear as ql  # noqa: E402
 from localserve.kernels import quant_linear_triton  # noqa: E402
-from localserve.kernels.quant_linear import QuantWeight, pack_codes, quant_linear_ref  # noqa: E402
+from localserve.kernels.quant_linear import quant_linear_ref  # noqa: E402
+from localserve.kernels.quant_weight import QuantWeight, pack_codes
 
 
 # Relative to the largest output: the kernel sums K in a different order than torch.

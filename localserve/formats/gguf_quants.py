@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import LocalserveError
-from ..kernels.quant_linear import QuantWeight, pack_codes
+from ..kernels.quant_weight import QuantWeight, pack_codes
 from .gguf_file import GGML_TYPES
 
 # ggml type ids (stable across llama.cpp versions; names and sizes live in GGML_TYPES).

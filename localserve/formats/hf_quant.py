@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..errors import LocalserveError
-from ..kernels.quant_linear import QuantWeight, pack_codes
+from ..kernels.quant_weight import QuantWeight, pack_codes
 from .hf import QuantConfig
 
 # Column 8c + j of an AWQ word sits in nibble AWQ_NIBBLE_OF_COLUMN[j].

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
-from ..kernels.quant_linear import QuantWeight
+from ..kernels.quant_weight import QuantWeight
 from . import hf
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
 from .gguf_file import GGUFFile
