@@ -11,10 +11,9 @@ at render, is a `LocalserveError` whose message says what went wrong.
 
 from __future__ import annotations
 
-import contextvars
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -24,22 +23,24 @@ import jinja2
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter, SecurityError
 from jinja2.utils import Namespace
 
 from ..errors import LocalserveError
+from .template_budget import (LIMITS, MAX_INT_BITS, Limits, check_format_spec, check_int_method, check_printf,
+                              check_repetition, check_str_method, checked, guarded_filters, is_int, joined, limits,
+                              too_big_integer)
 
-__all__ = ["ChatTemplate", "DEFAULT_MAX_OUTPUT_CHARS", "DEFAULT_MAX_STEPS"]
+__all__ = ["ChatTemplate", "DEFAULT_MAX_OUTPUT_CHARS", "DEFAULT_MAX_RENDER_SECONDS", "DEFAULT_MAX_STEPS"]
 
 # Template-made text a render may produce beyond twice its inputs' size (see ChatTemplate).
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000
+# Wall-clock time one render may take; real templates take milliseconds.
+DEFAULT_MAX_RENDER_SECONDS = 5.0
 # Loop iterations plus calls one render may make. Real templates need a few per message
 # (thousands for long chats with tools); a million is far above that, yet a template that
 # spends it all (recursing macros are the slowest at some microseconds a call) stops in seconds.
 DEFAULT_MAX_STEPS = 1_000_000
-# Integers past this size only come from templates computing something absurd (`2 ** 10**9`),
-# and big-int arithmetic on them can take minutes.
-_MAX_INT_BITS = 1 << 16
 # Request data nested deeper than this is a mistake or an attack (or a cycle).
 _MAX_DATA_DEPTH = 64
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -58,37 +59,8 @@ def _jinja_version() -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-render limits
+# The sandbox
 # ---------------------------------------------------------------------------------------------
-
-class _Limits:
-    """What the render in progress may still spend. One per render call, found through a
-    context variable so a shared environment serves concurrent renders (threads, asyncio)."""
-
-    __slots__ = ("steps_left", "max_chars")
-
-    def __init__(self, steps: int, max_chars: int) -> None:
-        self.steps_left = steps
-        self.max_chars = max_chars
-
-    def step(self) -> None:
-        self.steps_left -= 1
-        if self.steps_left < 0:
-            raise LocalserveError(
-                "the chat template ran too long (too many loop iterations or calls); "
-                "it loops without end or is hostile")
-
-
-_LIMITS: contextvars.ContextVar[_Limits | None] = contextvars.ContextVar(
-    "localserve_chat_template_limits", default=None)
-
-
-def _limits() -> _Limits:
-    limits = _LIMITS.get()
-    if limits is None:  # only ChatTemplate.render runs templates, and it always sets them
-        raise LocalserveError("chat templates can only be rendered through ChatTemplate.render")
-    return limits
-
 
 class _MeteredIterable:
     """A `for` loop's iterable that charges one step per item.
@@ -99,7 +71,7 @@ class _MeteredIterable:
 
     __slots__ = ("_inner", "_limits")
 
-    def __init__(self, inner: Any, limits: _Limits) -> None:
+    def __init__(self, inner: Any, limits: Limits) -> None:
         self._inner = inner
         self._limits = limits
 
@@ -112,15 +84,6 @@ class _MeteredIterable:
     def __len__(self) -> int:
         return len(self._inner)
 
-
-def _too_big(what: str) -> NoReturn:
-    raise LocalserveError(f"the chat template built {what} too large to be a prompt; "
-                          "it is broken or hostile")
-
-
-# ---------------------------------------------------------------------------------------------
-# The sandbox
-# ---------------------------------------------------------------------------------------------
 
 class _MeteringCodeGenerator(CodeGenerator):
     """Compiles templates so every `for` loop is metered and every `~` result size-checked.
@@ -146,19 +109,54 @@ class _MeteringCodeGenerator(CodeGenerator):
         super().visit_Concat(node, frame)
         self.write(")")
 
+    def visit_Output(self, node: nodes.Output, frame: Frame) -> None:
+        self._buffered = frame.buffer is not None
+        super().visit_Output(node, frame)
+
+    def _output_child_pre(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
+        if self._buffered:
+            self.write("environment.captured(")
+        super()._output_child_pre(node, frame, finalize)
+
+    def _output_child_post(self, node: nodes.Expr, frame: Frame, finalize: Any) -> None:
+        super()._output_child_post(node, frame, finalize)
+        if self._buffered:
+            self.write(")")
+
+    def _output_const_repr(self, group: Iterable[Any]) -> str:
+        text = super()._output_const_repr(group)
+        return f"environment.captured({text})" if self._buffered else text
+
+
+class _BoundedFormatter(SandboxedFormatter):
+    """jinja's sandboxed `str.format`, with each field's width and precision checked before
+    it is formatted and the whole result kept under the cap."""
+
+    def vformat(self, format_string: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        self._size = len(format_string)
+        return super().vformat(format_string, args, kwargs)
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        check_format_spec(format_spec)
+        text = super().format_field(value, format_spec)
+        self._size += len(text)
+        limits().check(self._size, "a formatted string")
+        return text
+
 
 class _SandboxEnvironment(ImmutableSandboxedEnvironment):
     """jinja2's immutable sandbox (no Python internals, no mutating list/dict/set methods),
-    made stricter and bounded:
+    made stricter and bounded (template_budget.py):
 
     - reading an unsafe attribute raises at once, where jinja returns an undefined value that
       only fails when used (so `{{ ''.__class__ }}` would print nothing instead of failing);
-    - each call and loop iteration spends a step of the render's budget;
-    - `*`, `**`, `+` and `~` refuse results bigger than the render's output cap.
+    - each call and loop iteration spends a step of the render's budget, and time;
+    - calls, operators and filters that build from their arguments are bounded before they
+      run, and every result they return is measured.
     """
 
     code_generator_class = _MeteringCodeGenerator
-    intercepted_binops = frozenset({"*", "**", "+"})
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:
         raise SecurityError(
@@ -167,42 +165,58 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
     def call(self, context: jinja2.runtime.Context, obj: Any, /, *args: Any,
              **kwargs: Any) -> Any:
         # Positional-only so template keyword arguments named `context` or `obj` pass through.
-        _limits().step()
-        return super().call(context, obj, *args, **kwargs)
+        limits().step()
+        owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+        if isinstance(owner, str):
+            if name == "join" and len(args) == 1 and not kwargs:
+                return joined(owner, args[0], "a string by join()")
+            check_str_method(name, owner, args, kwargs)
+        elif is_int(owner):
+            check_int_method(name, args, kwargs)
+        return checked(super().call(context, obj, *args, **kwargs), "a call's result")
 
     def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any,
                    right: Any) -> Any:
         # Check before computing where the result itself is the danger (a gigabyte string,
-        # a billion-digit integer); check after for `+`, which can only double a size.
-        limits = _limits()
+        # a billion-digit integer); `+` can only double a size, so its result is checked.
         if operator == "**":
-            if (_is_int(left) and _is_int(right) and right > 0 and abs(left) > 1
-                    and abs(left).bit_length() * right > _MAX_INT_BITS):
-                _too_big("an integer")
+            if (is_int(left) and is_int(right) and right > 0 and abs(left) > 1
+                    and abs(left).bit_length() * right > MAX_INT_BITS):
+                too_big_integer()
         elif operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and _is_int(count):
-                    if len(seq) * count > limits.max_chars:
-                        _too_big("a string or list")
-            if (_is_int(left) and _is_int(right)
-                    and abs(left).bit_length() + abs(right).bit_length() > _MAX_INT_BITS):
-                _too_big("an integer")
-        return self.checked_size(super().call_binop(context, operator, left, right))
+            check_repetition(left, right)
+            check_repetition(right, left)
+            if is_int(left) and is_int(right) and abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS:
+                too_big_integer()
+        elif operator == "%" and isinstance(left, str):
+            check_printf(left)
+        return checked(super().call_binop(context, operator, left, right), "an operator's result")
 
-    def checked_size(self, value: Any) -> Any:
-        """Pass `value` through, unless it is larger than any prompt could need."""
-        if isinstance(value, (str, list, tuple)) and len(value) > _limits().max_chars:
-            _too_big("a string or list")
-        if _is_int(value) and value.bit_length() > _MAX_INT_BITS:
-            _too_big("an integer")
-        return value
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        if super().wrap_str_format(value) is None:  # not a str's format or format_map
+            return None
+        template, is_format_map = str(value.__self__), value.__name__ == "format_map"
+        formatter = _BoundedFormatter(self)
+
+        def bounded_format(*args: Any, **kwargs: Any) -> str:
+            if is_format_map:
+                if kwargs or len(args) != 1:
+                    raise TypeError("format_map() takes exactly one argument")
+                args, kwargs = (), args[0]
+            return formatter.vformat(template, args, kwargs)
+
+        return bounded_format
+
+    @staticmethod
+    def checked_size(value: Any) -> Any:
+        return checked(value, "a string")
+
+    @staticmethod
+    def captured(text: str) -> str:
+        return limits().capture(text)
 
     def metered_iter(self, iterable: Any) -> _MeteredIterable:
-        return _MeteredIterable(iterable, _limits())
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        return _MeteredIterable(iterable, limits())
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -248,6 +262,8 @@ class _DictFactory:
         return dict(*args, **kwargs)
 
     def fromkeys(self, keys: Any, value: Any = None) -> dict[Any, Any]:
+        keys = list(keys)
+        check_repetition([value], len(keys))  # the value prints once per key
         return dict.fromkeys(keys, value)
 
 
@@ -274,7 +290,7 @@ def _build_environment() -> _SandboxEnvironment:
     # trim_blocks/lstrip_blocks are what HF renders with; templates' whitespace assumes them.
     env = _SandboxEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False,
                               extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-    env.filters["tojson"] = _tojson
+    env.filters.update(guarded_filters(env.filters, _tojson))
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
                        dict=_DictFactory(), namespace=_GuardedNamespace)
     # lipsum(n) writes n paragraphs in one call, out of reach of every limit; no chat
@@ -374,9 +390,11 @@ class ChatTemplate:
     named tokens (`unk_token`, `pad_token`, ...); like `bos_token` and `eos_token` they are
     template variables, left undefined when None.
 
-    Limits: a render may make `max_steps` loop iterations and calls, and produce at most
-    `max_output_chars` plus twice the characters of its inputs (messages, tools, documents,
-    extra variables), so long conversations fit while a runaway template stops early.
+    Limits: a render may make `max_steps` loop iterations and calls, take
+    `max_render_seconds`, and produce at most `max_output_chars` plus twice the characters
+    of its inputs (messages, tools, documents, extra variables), so long conversations fit
+    while a runaway template stops early. No value it builds may be larger than that either,
+    checked before the value is made (template_budget.py).
     """
 
     def __init__(self, template: str, *, bos_token: str | None = None,
@@ -384,7 +402,8 @@ class ChatTemplate:
                  special_tokens: Mapping[str, str | None] | None = None,
                  tool_use_template: str | None = None,
                  max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
-                 max_steps: int = DEFAULT_MAX_STEPS) -> None:
+                 max_steps: int = DEFAULT_MAX_STEPS,
+                 max_render_seconds: float = DEFAULT_MAX_RENDER_SECONDS) -> None:
         if _jinja_version() < _MIN_JINJA:
             raise LocalserveError(
                 f"chat templates need jinja2 >= {'.'.join(map(str, _MIN_JINJA))} (older versions "
@@ -403,6 +422,7 @@ class ChatTemplate:
         self.special_tokens: dict[str, str] = tokens
         self.max_output_chars = int(max_output_chars)
         self.max_steps = int(max_steps)
+        self.max_render_seconds = float(max_render_seconds)
         self.source = template
         self.tool_use_source = tool_use_template
         self._default = _compile(template, "default")
@@ -499,12 +519,12 @@ class ChatTemplate:
         )
         template = self._tool_use if tools is not None and self._tool_use is not None \
             else self._default
-        limits = _Limits(self.max_steps, self.max_output_chars + 2 * counter.chars)
-        token = _LIMITS.set(limits)
+        limits = Limits(self.max_steps, self.max_output_chars + 2 * counter.chars, self.max_render_seconds)
+        token = LIMITS.set(limits)
         try:
             return self._generate(template, variables, limits.max_chars)
         finally:
-            _LIMITS.reset(token)
+            LIMITS.reset(token)
 
     @staticmethod
     def _generate(template: jinja2.Template, variables: dict[str, Any], max_chars: int) -> str:
