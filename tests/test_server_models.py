@@ -58,7 +58,8 @@ def test_parse_keep_alive(value: object, seconds: float | None) -> None:
     assert parse_keep_alive(value) == seconds  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("value", ["soon", "5 minutes", "m", "", "5x", True, float("nan")])
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "m", "", "5x", True, float("nan"), 1e18, float("inf"),
+                                   "inf", "87601h", 10 * 365 * 24 * 3600 + 1])
 def test_parse_keep_alive_refuses(value: object) -> None:
     with pytest.raises(ValueError):
         parse_keep_alive(value)  # type: ignore[arg-type]

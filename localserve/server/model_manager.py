@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _EXPIRY_CHECK_S = 0.25
+# The longest finite keep-alive: ten years. Longer is a mistake (-1 keeps a model forever),
+# and a time that far out cannot be shown as a date.
+MAX_KEEP_ALIVE_S = 10 * 365 * 24 * 3600
 
 
 class ModelUnavailableError(LocalserveError):
@@ -46,7 +49,8 @@ def parse_keep_alive(value: str | float | None) -> float | None:
     """Seconds an idle model stays loaded; ``math.inf`` for forever, None for "the default".
 
     Accepts Ollama's forms: a number of seconds (``300``, ``0``, ``-1``) or a Go
-    duration (``"5m"``, ``"1h30m"``, ``"90s"``, ``"-1m"``); negative means forever.
+    duration (``"5m"``, ``"1h30m"``, ``"90s"``, ``"-1m"``); negative means forever, and a
+    finite time may be at most ``MAX_KEEP_ALIVE_S``.
     """
     if value is None:
         return None
@@ -67,6 +71,9 @@ def parse_keep_alive(value: str | float | None) -> float | None:
             seconds = sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
     if math.isnan(seconds):
         raise ValueError("keep_alive must be a number of seconds or a duration")
+    if seconds > MAX_KEEP_ALIVE_S:
+        raise ValueError(f"keep_alive {value!r} is longer than {MAX_KEEP_ALIVE_S} s (ten years); "
+                         "-1 keeps the model loaded forever")
     return math.inf if seconds < 0 else seconds
 
 

@@ -5,6 +5,7 @@ ending with ``data: [DONE]``."""
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,16 +26,21 @@ from .state import state_of
 router = APIRouter()
 
 
+_MAX_WAIT_S = 86400.0
+
+
 def _wait_seconds(request: Request) -> float | None:
     """``Prefer: wait=N`` (RFC 7240): answer within N seconds, so a model still loading
-    gets a 503 with Retry-After instead of a wait. Absent: wait for the load."""
+    gets a 503 with Retry-After instead of a wait. Absent: wait for the load. A preference
+    may be honoured in part: N is taken between 0 and a day."""
     for part in request.headers.get("prefer", "").split(","):
         name, _, value = part.strip().partition("=")
         if name.strip().lower() == "wait":
             try:
-                return max(0.0, float(value))
+                seconds = float(value)
             except ValueError:
                 raise LocalserveError(f"Prefer: wait={value!r} is not a number of seconds") from None
+            return min(max(0.0, seconds), _MAX_WAIT_S) if not math.isnan(seconds) else 0.0
     return None
 
 
