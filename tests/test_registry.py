@@ -32,7 +32,8 @@ def test_names(text: str, name: str, tag: str) -> None:
 
 
 @pytest.mark.parametrize("text", ["../etc:x", "a/../b", "/abs", "a/b/c", "a:..", "a:b/c", "", ":tag", "a:",
-                                  "name\x00", "a b", ".hidden", "a:-x", "x" * 200])
+                                  "name\x00", "a b", ".hidden", "a:-x", "x" * 200, "x\n", "\tx", "x:y\r",
+                                  "x\x1b[31m"])
 def test_bad_names_are_refused(text: str) -> None:
     with pytest.raises(LocalserveError):
         parse_name(text)

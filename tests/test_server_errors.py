@@ -3,6 +3,8 @@ the API key, the Host check and the refusal to serve a public address without a 
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
 from click.testing import CliRunner
@@ -164,13 +166,17 @@ def test_host_header_must_be_loopback(server) -> None:  # type: ignore[no-untype
         assert httpx.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200
 
 
-def test_public_bind_needs_a_key() -> None:
+def test_public_bind_needs_a_key(caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(LocalserveError, match="API key"):
         check_bind("0.0.0.0", None, insecure_no_auth=False)
     check_bind("0.0.0.0", "key", insecure_no_auth=False)
-    check_bind("0.0.0.0", None, insecure_no_auth=True)
+    with caplog.at_level(logging.WARNING, logger="localserve.server.serve"):
+        check_bind("0.0.0.0", None, insecure_no_auth=True)
+    assert "without an API key (--insecure-no-auth)" in caplog.text
+    caplog.clear()
     check_bind("127.0.0.1", None, insecure_no_auth=False)
     check_bind("::1", None, insecure_no_auth=False)
+    assert caplog.text == ""  # loopback needs no warning
     result = CliRunner().invoke(main, ["serve", "--host", "0.0.0.0"], env={"LOCALSERVE_API_KEY": ""})
     assert result.exit_code != 0
     assert "without an API key" in result.output

@@ -9,6 +9,7 @@ control characters) gets through.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 from ..errors import LocalserveError
@@ -37,6 +38,9 @@ def parse_name(text: str) -> ModelName:
     """``name[:tag]`` (case-insensitive; the tag defaults to ``latest``)."""
     if not isinstance(text, str) or len(text) > 300:
         raise LocalserveError("a model name must be a short string like name:tag")
+    if any(unicodedata.category(char) == "Cc" for char in text):
+        # Refused, not stripped: 'x\n' must not quietly become x:latest.
+        raise LocalserveError(f"{text!r} is not a valid model name: it holds a control character")
     lowered = text.strip().lower()
     name, sep, tag = lowered.partition(":")
     parts = name.split("/")

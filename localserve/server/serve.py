@@ -131,11 +131,16 @@ async def _load_quietly(state: ServerState, name: str) -> None:
 
 
 def check_bind(host: str, api_key: str | None, insecure_no_auth: bool) -> None:
-    """Refuse to serve a non-loopback address without an API key, unless told to."""
-    if not is_loopback(host) and not api_key and not insecure_no_auth:
+    """Refuse to serve a non-loopback address without an API key, unless told to; told
+    to, say so in the log, where whoever reads it later will look."""
+    if is_loopback(host) or api_key:
+        return
+    if not insecure_no_auth:
         raise LocalserveError(
             f"refusing to listen on {host} without an API key: anyone who can reach it could use it. "
             "Set --api-key (or LOCALSERVE_API_KEY), or pass --insecure-no-auth if the network is trusted")
+    log.warning("listening on %s without an API key (--insecure-no-auth): anyone who can reach this "
+                "address can use every model and the admin API", host)
 
 
 def serve(config: ServerConfig, insecure_no_auth: bool = False, log_level: str = "info",
