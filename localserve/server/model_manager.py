@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _EXPIRY_CHECK_S = 0.25
+# Characters a prompt may hold per token of the context: far more than any tokenizer packs
+# into a token on average, so a longer prompt could never fit, and is refused untokenized.
+MAX_CHARS_PER_TOKEN = 64
 # The longest finite keep-alive: ten years. Longer is a mistake (-1 keeps a model forever),
 # and a time that far out cannot be shown as a date.
 MAX_KEEP_ALIVE_S = 10 * 365 * 24 * 3600
@@ -114,8 +117,17 @@ class LoadedModel:
             raise LocalserveError(f"model {self.name!r} has no tokenizer; send token ids")
         return self.tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer_or_error().encode(text)
+    def check_prompt_chars(self, chars: int) -> None:
+        """Refuse, before any tokenizing, a prompt too long to fit in any case."""
+        limit = self.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise LocalserveError(
+                f"the prompt has {chars:,} characters, more than {self.name}'s {self.max_model_len:,}-token context "
+                f"could hold ({limit:,}: {MAX_CHARS_PER_TOKEN} per token); shorten it")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.check_prompt_chars(len(text))
+        return self.tokenizer_or_error().encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer_or_error().decode(ids)

@@ -4,6 +4,7 @@ ending with ``data: [DONE]``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -76,6 +77,7 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool,
                  continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
     plain = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
+    model.check_prompt_chars(sum(len(m["content"] or "") for m in plain))
     text = model.chat_template().render(plain, add_generation_prompt=add_generation_prompt, tools=tools)
     if continue_final_message:
         # The reply continues the final assistant message: drop what the template
@@ -85,7 +87,7 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
         if end >= 0:
             text = text[: end + len(final)]
     # The template writes BOS itself where the model wants it.
-    return model.tokenizer_or_error().encode(text, add_special_tokens=False)
+    return model.encode(text, add_special_tokens=False)
 
 
 @router.post("/v1/chat/completions")
@@ -107,7 +109,8 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     model = await _acquire(request, body.model)
     released = False
     try:
-        choices = gen.choices_for(body, prompts(model), model.max_model_len)
+        # Rendering and tokenizing take time in proportion to the prompt: off the event loop.
+        choices = gen.choices_for(body, await asyncio.to_thread(prompts, model), model.max_model_len)
         streams = await gen.start(model, choices)
         progress = [gen.Progress(state.metrics, model.name) for _ in streams]
         shape = shaper(model, choices)
@@ -358,9 +361,9 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     model = await _acquire(request, body.model)
     try:
         if body.messages is not None:
-            tokens = _render_chat(model, body.messages, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
         else:
-            tokens = model.tokenizer_or_error().encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(model.encode, body.prompt or "", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
     finally:
         state_of(request).manager.release(model)
@@ -372,7 +375,7 @@ async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any
     try:
         if any(token >= model.vocab_size for token in body.tokens):
             raise LocalserveError(f"token ids must be in [0, {model.vocab_size})")
-        return {"prompt": model.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(model.decode, body.tokens)}
     finally:
         state_of(request).manager.release(model)
 
