@@ -233,3 +233,45 @@ def test_pull_of_a_file_and_show_do_not_import_torch(tmp_path: Path, verbs: list
     assert result.returncode == 0, result.stderr
     assert "architecture" in result.stdout or "{%" in result.stdout  # the verbs did their work
     assert result.stdout.strip().splitlines()[-1] == "False", result.stdout
+
+
+def _copy_folder(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.mark.parametrize(("name", "outside"), [("LICENSE", "/etc/passwd"), ("merges.txt", "/proc/self/environ"),
+                                               ("config.json", "../elsewhere.json")])
+def test_a_folder_import_refuses_links_that_leave_it(tmp_path: Path, name: str, outside: str) -> None:
+    """Before: LICENSE -> /etc/passwd was copied into the store and shown by show --license,
+    merges.txt -> /proc/self/environ stored the environment (HF_TOKEN included)."""
+    (tmp_path / "elsewhere.json").write_text("{}")
+    folder = _copy_folder(STORIES_HF, tmp_path / "model")
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).symlink_to(outside)
+    registry = open_registry(tmp_path / "home")
+    stored = sorted((tmp_path / "home").rglob("*"))
+    with pytest.raises(LocalserveError, match="outside the model's folder"):
+        import_local(registry, folder, "bad")
+    assert sorted((tmp_path / "home").rglob("*")) == stored  # nothing read into the store
+    assert "bad:latest" not in [str(r.name) for r in registry.list()]
+    result = CliRunner().invoke(main, ["show", str(folder), "--license"])
+    assert result.exit_code != 0 and "outside the model's folder" in result.output
+
+
+def test_a_folder_import_takes_links_within_it_and_the_hub_cache_layout(tmp_path: Path) -> None:
+    """Hugging Face's cache keeps snapshots as links into the repository's blobs; links
+    inside the folder are fine too."""
+    repo = tmp_path / "models--x--stories"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for index, source in enumerate(sorted(p for p in STORIES_HF.iterdir() if p.is_file())):
+        blob = repo / "blobs" / f"blob{index}"
+        blob.write_bytes(source.read_bytes())
+        (snapshot / source.name).symlink_to(Path("../../blobs") / blob.name)
+    registry = open_registry(tmp_path / "home")
+    record = import_local(registry, snapshot, "cached")
+    assert {f.name for f in record.files} >= {"config.json", "model.safetensors", "tokenizer.json"}

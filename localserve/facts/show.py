@@ -9,7 +9,7 @@ from typing import Any
 from ..formats import Checkpoint, open_checkpoint
 from .checkpoint import model_info
 from ..registry import ModelRecord, open_registry
-from ..registry.local import role_of
+from ..registry.local import model_files, role_of
 
 _LICENSE_TEXT_LIMIT = 1 << 20
 
@@ -22,9 +22,11 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         registry = open_registry()
         record = registry.get(model)
         path = registry.path(record.name)
+    # A folder the user names is checked before anything is read; the registry's own are links into its store.
+    folder_files = model_files(path) if record is None and path.is_dir() else None
     checkpoint = open_checkpoint(path)
     info, lines = model_info(checkpoint)
-    files = _files(checkpoint, record)
+    files = _files(checkpoint, record, folder_files)
     chat_template = checkpoint.chat_template_or_none()
     template = chat_template.source if chat_template is not None else None
     license_text = _license_text(path, files)
@@ -44,14 +46,14 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     return facts, lines
 
 
-def _files(checkpoint: Checkpoint, record: ModelRecord | None) -> list[dict[str, Any]]:
+def _files(checkpoint: Checkpoint, record: ModelRecord | None, folder_files: list[Path] | None) -> list[dict[str, Any]]:
     if record is not None:
         return [{"name": f.name, "role": f.role, "size": f.size, "digest": f.digest} for f in record.files]
     if checkpoint.gguf is not None:
         return [{"name": p.name, "role": "weights", "size": p.stat().st_size, "digest": None}
                 for p in checkpoint.gguf.paths]  # every part of a split GGUF
     return [{"name": p.name, "role": role_of(p.name), "size": p.stat().st_size, "digest": None}
-            for p in sorted(checkpoint.path.iterdir()) if p.is_file() and role_of(p.name)]
+            for p in folder_files or []]
 
 
 def _license_text(path: Path, files: list[dict[str, Any]]) -> str | None:

@@ -32,6 +32,30 @@ def role_of(file_name: str) -> str | None:
     return None
 
 
+def model_files(folder: Path) -> list[Path]:
+    """The files of an HF folder that a model needs, each a regular file inside the folder.
+    A link may point within the folder, or (Hugging Face's cache) from a snapshot into its
+    repository's blobs; a link anywhere else (``LICENSE -> /etc/passwd``) refuses the import,
+    so nothing outside what the user named is ever read or stored."""
+    root = folder.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots":
+        allowed.append(root.parent.parent / "blobs")
+    files = []
+    for entry in sorted(folder.iterdir()):
+        if role_of(entry.name) is None:
+            continue
+        target = entry.resolve()
+        if not any(target.is_relative_to(place) for place in allowed):
+            raise LocalserveError(f"{entry}: a link to {target}, outside the model's folder; refusing to import it")
+        if not target.is_file():
+            if entry.is_dir():
+                continue  # a folder that happens to match a file name
+            raise LocalserveError(f"{entry}: not a regular file; refusing to import it")
+        files.append(entry)
+    return files
+
+
 def default_name(path: Path) -> ModelName:
     """The file or folder name, lowercased, with what a name may not hold replaced."""
     stem = path.name.removesuffix(".gguf").lower()
@@ -89,12 +113,10 @@ def import_local(registry: Registry, path: Path, name: str | None = None) -> Mod
     if not path.exists():
         raise LocalserveError(f"{path}: no such file or folder")
     model_name = parse_name(name) if name else default_name(path)
+    folder_files = None if path.is_file() else model_files(path)  # checked before anything is read
     checkpoint = open_checkpoint(path)
     record = record_for(checkpoint, model_name, f"file:{path.resolve()}")
-    if checkpoint.gguf is not None:
-        sources = checkpoint.gguf.paths  # with a split GGUF's other parts
-    else:
-        sources = sorted(p for p in path.iterdir() if p.is_file() and role_of(p.name))
+    sources = checkpoint.gguf.paths if folder_files is None else folder_files  # a split GGUF's parts too
     files = [ModelFile(source.name, registry.blobs.add_file(source), source.stat().st_size,
                        "weights" if path.is_file() else role_of(source.name) or "other") for source in sources]
     return register(registry, record, files)
