@@ -117,6 +117,10 @@ def test_missing_and_misshapen_tensors(checkpoint) -> None:
     tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 160)
     tensors["model.layers.9.unknown.weight"] = torch.zeros(2)
     save_file(tensors, checkpoint / "model.safetensors")
+    expect_load_error(checkpoint, "num_hidden_layers is 2 but the weights hold tensors of 3 layers, numbered up to 9")
+    del tensors["model.layers.9.unknown.weight"]
+    tensors["model.unknown.weight"] = torch.zeros(2)
+    save_file(tensors, checkpoint / "model.safetensors")
     expect_load_error(checkpoint, "does not belong")
 
 

@@ -158,6 +158,7 @@ def test_bad_gguf_models_fail_cleanly(tmp_path, model) -> None:
         rows = 512
         nbytes = rows * 256 // gguf.GGML_QUANT_SIZES[tensor_type][0] * gguf.GGML_QUANT_SIZES[tensor_type][1]
         writer.add_tensor("token_embd.weight", np.zeros((rows, nbytes // rows), dtype=np.uint8), raw_dtype=tensor_type)
+        writer.add_tensor("blk.0.attn_norm.weight", np.ones(256, dtype=np.float32))  # the one layer block_count says
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -237,3 +238,17 @@ def test_load_finalizes_each_projection_as_it_completes(tmp_path) -> None:
     twice = [*checkpoint.weights(), next(iter(checkpoint.weights()))]
     with pytest.raises(LocalserveError, match="appears twice"):
         load_weights(LlamaForCausalLM(checkpoint.spec, 64, torch.device("cpu")), twice)
+
+
+def test_a_huge_declared_context_is_capped_to_the_pool(tmp_path) -> None:
+    """A file declaring 2**28 positions: the model's rotary tables are sized by what the KV
+    pool can hold, not by the declaration (before: > 7 GiB allocated at load)."""
+    hostile = tiny_llama()
+    hostile.config.max_position_embeddings = 1 << 28
+    path = tmp_path / "long.gguf"
+    write_gguf(path, hostile, Q.F16)
+    llm = LLM(path, device="cpu", num_kv_blocks=64)
+    assert llm.engine.max_model_len == 64 * 16
+    assert llm.engine.model.rotary.cos.shape[0] == 64 * 16
+    [out] = llm.generate([[1, 5, 7]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.token_ids) == 4

@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
-from .memory import context_limit, measured_gpu_budget, pool_sizes
+from .memory import context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
 from .output_processor import OutputProcessor, RequestOutput
 from .request import Request
 from .runner import ModelRunner, RunnerOutput
@@ -71,7 +71,10 @@ class Engine:
             cpu_library.set_threads(self.config.cpu_threads())
         block_size = self.config.block_size
         self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
-        context = context_limit(spec, self.config.max_model_len)
+        # The context the model is built for: no longer than the pool could ever hold (a
+        # checkpoint may declare 2**28 positions; its rotary tables would not fit).
+        wanted = context_limit(spec, self.config.max_model_len)
+        context = min(wanted, most_pool_tokens(self.config, spec, self.kv_dtype, self.device))
         # The kernels this engine runs, chosen once: every forward is made under it.
         self.kernels = KernelChoice(triton=not self.config.disable_triton,
                                     cpu_kernels=not self.config.disable_cpu_kernels)
@@ -83,7 +86,7 @@ class Engine:
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
                 self.config, self.model, spec, self.kv_dtype, self.device, context))
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
-        self.max_model_len = self._cap_to_pool(context, num_blocks * block_size)
+        self.max_model_len = self._cap_to_pool(wanted, num_blocks * block_size)  # <= context
         kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.kv_dtype, self.device)
         cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.kv_dtype, torch.device("cpu"),
                                          pin_memory=self.device.type == "cuda")

@@ -71,6 +71,18 @@ def pool_sizes(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, dev
     return PoolSizes(block_bytes, max(0, budget) // block_bytes, cpu_blocks, budget)
 
 
+def most_pool_tokens(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device) -> int:
+    """The most tokens the device pool can ever hold, known before the model is built: the
+    pool the options give, or on a GPU measured later, all of the GPU's memory. Tables the
+    model sizes by the context (rotary cos/sin) need no more positions, whatever context a
+    checkpoint declares."""
+    def whole_device() -> int:
+        return torch.cuda.get_device_properties(device).total_memory
+
+    pools = pool_sizes(config, spec, kv_dtype, device.type, whole_device)
+    return max(1, pools.device_blocks) * config.block_size
+
+
 def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:
     """The longest context asked for (``max_model_len``) or the model's own."""
     limit = spec.max_position_embeddings

@@ -87,8 +87,22 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         return Checkpoint(path=path, spec=spec_from_gguf(gguf), files=[], gguf=gguf)
     config = hf.read_config(path)
     spec = hf.spec_from_config(config)
+    quant = quant_config_from(config)
+    if quant is not None:
+        _check_group_size(spec, quant)
+    files = hf.shard_files(path)
+    hf.check_headers(spec, files)
     _merge_generation_eos(path, spec)
-    return Checkpoint(path=path, spec=spec, files=hf.shard_files(path), quant=quant_config_from(config))
+    return Checkpoint(path=path, spec=spec, files=files, quant=quant)
+
+
+def _check_group_size(spec: ModelSpec, quant: QuantConfig) -> None:
+    # Every quantized layer's inputs are one of these widths; a group must divide each.
+    widths = {spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size,
+              spec.moe_intermediate_size, spec.shared_expert_intermediate_size} - {0}
+    if quant.group_size != -1 and any(width % quant.group_size for width in widths):
+        raise LocalserveError(f"config.json: {quant.method.upper()} group_size {quant.group_size} does not divide "
+                              f"the layers' input widths ({', '.join(map(str, sorted(widths)))})")
 
 
 def _merge_generation_eos(path: Path, spec: ModelSpec) -> None:

@@ -135,13 +135,27 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         # llama.cpp renormalises the chosen gates for Mixtral and Qwen3-MoE, not Qwen2-MoE.
         norm_topk_prob=architecture.renormalize_gates,
     )
-    if spec.num_heads % spec.num_kv_heads:
-        raise LocalserveError(f"{gguf.path}: head_count must be a multiple of head_count_kv")
-    problem = spec.check_experts()
+    problem = spec.check({field: f"{arch}.{key}" for field, key in _METADATA_KEYS.items()})
     if problem:
-        raise LocalserveError(f"{gguf.path}: {problem} (metadata {arch}.expert_count, expert_used_count, "
-                              "expert_feed_forward_length)")
+        raise LocalserveError(f"{gguf.path}: metadata {problem}")
+    layers = {int(match[1]) for name in gguf.tensors if (match := LAYER_TENSOR.fullmatch(name))}
+    if layers != set(range(spec.num_layers)):
+        numbered = f", numbered up to {max(layers):,}" if layers else ""
+        raise LocalserveError(f"{gguf.path}: block_count is {spec.num_layers:,} but the file holds tensors of "
+                              f"{len(layers):,} layers{numbered}")
+    if embed.shape != (vocab, hidden):
+        raise LocalserveError(f"{gguf.path}: token_embd.weight is {embed.shape}, not {vocab} x embedding_length "
+                              f"{hidden:,}")
     return spec
+
+
+# What GGUF metadata calls the spec's fields (under "<arch>.").
+_METADATA_KEYS = {
+    "num_layers": "block_count", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+    "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length", "max_position_embeddings": "context_length", "num_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length",
+}
 
 
 def _shared_expert_width(gguf: GGUFFile) -> int:

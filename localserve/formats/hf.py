@@ -9,6 +9,7 @@ the canonical naming that other readers (GGUF) map onto.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,12 +70,17 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise LocalserveError(f"config.json: missing or malformed field ({exc})") from exc
-    if spec.num_heads % spec.num_kv_heads:
-        raise LocalserveError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
-    problem = spec.check_experts()
+    problem = spec.check(_CONFIG_KEYS)
     if problem:
         raise LocalserveError(f"config.json: {problem}")
     return spec
+
+
+# What config.json calls the spec's fields (MoE models vary; these are the common names).
+_CONFIG_KEYS = {
+    "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+}
 
 
 def _moe_fields(arch: Architecture, config: dict[str, Any]) -> dict[str, Any]:
@@ -166,6 +172,32 @@ SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I3
                           "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_headers(spec: ModelSpec, files: list[Path]) -> None:
+    """The config's layer count and widths against the tensors the shards hold, from
+    their headers: a config that claims more than the files hold is refused before
+    anything is sized by it."""
+    layers: set[int] = set()
+    embed: tuple[int, ...] | None = None
+    for name, shape, _ in tensor_headers(files):
+        if match := _LAYER_TENSOR.match(name):
+            layers.add(int(match[1]))
+        elif name == "model.embed_tokens.weight":
+            embed = shape
+    if layers != set(range(spec.num_layers)):
+        raise LocalserveError(f"config.json: num_hidden_layers is {spec.num_layers:,} but the weights hold "
+                              f"tensors of {len(layers):,} layers{_numbered(layers)}")
+    if embed is not None and embed != (spec.vocab_size, spec.hidden_size):
+        raise LocalserveError(f"config.json: vocab_size x hidden_size is {spec.vocab_size:,} x {spec.hidden_size:,} "
+                              f"but model.embed_tokens.weight is {' x '.join(map(str, embed))}")
+
+
+def _numbered(layers: set[int]) -> str:
+    return f", numbered up to {max(layers):,}" if layers else ""
+
+
 def tensor_headers(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """(name, shape, safetensors dtype name) of every tensor, from the file headers
     alone: no tensor data is read."""
@@ -202,6 +234,9 @@ def quant_config_from(config: dict[str, Any]) -> QuantConfig | None:
     method = raw.get("quant_method")
     bits = raw.get("bits", raw.get("w_bit"))
     group_size = raw.get("group_size", raw.get("q_group_size", 128))
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or not (group_size == -1 or group_size > 0):
+        raise LocalserveError(f"config.json: quantization_config group_size {group_size!r} must be -1 or a "
+                              "positive integer")
     if method == "gptq":
         if bits not in (4, 8):
             raise LocalserveError(f"GPTQ with {bits} bits is not supported (4 and 8 are)")

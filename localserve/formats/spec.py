@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,18 @@ class RopeSpec:
     partial_rotary_factor: float = 1.0
     # GGUF's rope_freqs tensor: each pair's frequency is divided by its factor.
     freq_factors: tuple[float, ...] | None = None
+
+
+# What a checkpoint may declare: far above any real model (the largest have ~160 layers,
+# hidden 25,600, vocabularies of 262,144 and 256 experts), so that an absurd value is
+# refused before anything is sized or counted by it.
+_CEILINGS = {
+    "num_layers": 4096, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_heads": 4096,
+    "num_kv_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 23, "max_position_embeddings": 1 << 30,
+    "num_experts": 4096, "moe_intermediate_size": 1 << 20, "shared_expert_intermediate_size": 1 << 20,
+}
+_POSITIVE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+             "max_position_embeddings")
 
 
 @dataclass(slots=True)
@@ -56,14 +69,23 @@ class ModelSpec:
     dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def check_experts(self) -> str | None:
-        """What is wrong with the MoE fields, or None."""
-        if not self.num_experts:
-            return None
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            return f"{self.num_experts_per_tok} experts per token of {self.num_experts} is not a valid routing"
-        if self.moe_intermediate_size <= 0:
-            return "the experts' intermediate size must be positive"
+    def check(self, names: Mapping[str, str]) -> str | None:
+        """What is wrong with the declared sizes, or None; ``names`` says what the file
+        calls each field, for the message."""
+
+        def said(field: str) -> str:
+            return f"{names.get(field, field)} {getattr(self, field):,}"
+
+        for field, ceiling in _CEILINGS.items():
+            low = 1 if field in _POSITIVE else 0
+            if not low <= getattr(self, field) <= ceiling:
+                return f"{said(field)} is outside {low}..{ceiling:,}"
+        if self.num_heads % self.num_kv_heads:
+            return f"{said('num_heads')} is not a multiple of {said('num_kv_heads')}"
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            return f"{said('num_experts_per_tok')} of {said('num_experts')} is not a valid routing"
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            return f"{said('moe_intermediate_size')}: the experts' width must be positive"
         return None
 
     def is_moe_layer(self, layer: int) -> bool:
