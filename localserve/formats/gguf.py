@@ -103,6 +103,9 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise LocalserveError(f"{gguf.path}: embedding_length and head_count must be positive")
     kv_heads = md.get("attention.head_count_kv", int, heads) or heads
     head_dim = md.get("attention.key_length", int, hidden // heads)
+    if not head_dim:
+        raise LocalserveError(f"{gguf.path}: embedding_length {hidden:,} over head_count {heads:,} heads leaves "
+                              "no head size")
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
     embed = gguf.tensors.get("token_embd.weight")
     if embed is None:

@@ -68,8 +68,8 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
             torch_dtype=config.get("dtype") or config.get("torch_dtype"),
             **_moe_fields(arch, config),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise LocalserveError(f"config.json: missing or malformed field ({exc})") from exc
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
+        raise LocalserveError(f"config.json: missing or malformed field ({type(exc).__name__}: {exc})") from exc
     problem = spec.check(_CONFIG_KEYS)
     if problem:
         raise LocalserveError(f"config.json: {problem}")

@@ -1,0 +1,207 @@
+"""A regression corpus of hostile model files: metadata and configs that declare sizes the
+files do not hold, or absurd ones. Each is read the way `localserve pull` and `show` read a
+checkpoint (open_checkpoint and model_info: metadata only), in a child process whose address
+space is capped at 2 GiB, and must fail within seconds with its one-line error.
+
+Before these checks: block_count 2**31 made show, pull and a load run for ever (RSS growing
+~48 MB/s); embedding length 2**33 printed 442 trillion parameters and pull ended in an
+OverflowError traceback from sqlite; a context of 2**40 tried 4 TiB at load (HTTP 500);
+GPTQ group_size null was a TypeError traceback. The byte-level GGUF corpus (truncations,
+offsets, counts, types) is in test_gguf_file.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+VOCAB, HIDDEN, HEADS, FFN, LAYERS = 32, 64, 4, 128, 2
+
+
+def _uint(value: int) -> tuple[int, str]:
+    return value, "UINT64" if value >= 1 << 32 else "UINT32"
+
+
+def write_gguf(path: Path, metadata: dict[str, tuple[Any, str]] | None = None,
+               drop: tuple[str, ...] = (), tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """A tiny llama GGUF with F32 weights; ``metadata`` replaces or adds keys (value, type
+    name), ``drop`` removes keys or tensors, ``tensors`` replaces or adds tensors."""
+    import gguf
+
+    keys: dict[str, tuple[Any, str]] = {
+        "llama.context_length": _uint(256), "llama.embedding_length": _uint(HIDDEN),
+        "llama.block_count": _uint(LAYERS), "llama.feed_forward_length": _uint(FFN),
+        "llama.attention.head_count": _uint(HEADS), "llama.attention.head_count_kv": _uint(HEADS),
+        "llama.attention.layer_norm_rms_epsilon": (1e-5, "FLOAT32"),
+    }
+    keys.update(metadata or {})
+    rng = np.random.default_rng(0)
+    weights = {"token_embd.weight": rng.standard_normal((VOCAB, HIDDEN)), "output_norm.weight": np.ones(HIDDEN)}
+    for layer in range(LAYERS):
+        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (HIDDEN, HIDDEN)), ("attn_v", (HIDDEN, HIDDEN)),
+                            ("attn_output", (HIDDEN, HIDDEN)), ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)),
+                            ("ffn_down", (HIDDEN, FFN)), ("attn_norm", (HIDDEN,)), ("ffn_norm", (HIDDEN,))):
+            weights[f"blk.{layer}.{name}.weight"] = rng.standard_normal(shape)
+    weights.update(tensors or {})
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, (value, kind) in keys.items():
+        if key not in drop:
+            writer.add_key_value(key, value, getattr(gguf.GGUFValueType, kind))
+    for name, array in weights.items():
+        if name not in drop:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_hf(folder: Path, config: dict[str, Any] | None = None, drop: tuple[str, ...] = ()) -> Path:
+    """A tiny Llama folder (config.json, model.safetensors with F32 weights)."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": FFN,
+                "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
+                "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
+    settings.update(config or {})
+    for key in drop:
+        settings.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(settings))
+    rng = np.random.default_rng(0)
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, HIDDEN)), "model.norm.weight": np.ones(HIDDEN),
+               "lm_head.weight": rng.standard_normal((VOCAB, HIDDEN))}
+    for layer in range(LAYERS):
+        prefix = f"model.layers.{layer}."
+        for name, shape in (("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.k_proj", (HIDDEN, HIDDEN)),
+                            ("self_attn.v_proj", (HIDDEN, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
+                            ("mlp.gate_proj", (FFN, HIDDEN)), ("mlp.up_proj", (FFN, HIDDEN)),
+                            ("mlp.down_proj", (HIDDEN, FFN)), ("input_layernorm", (HIDDEN,)),
+                            ("post_attention_layernorm", (HIDDEN,))):
+            tensors[prefix + name + ".weight"] = rng.standard_normal(shape)
+    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _gptq(group_size: Any, bits: Any = 4) -> dict[str, Any]:
+    return {"quantization_config": {"quant_method": "gptq", "bits": bits, "group_size": group_size}}
+
+
+# (id, how to write it, the error's pattern)
+GGUF_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("block_count 2**31", {"metadata": {"llama.block_count": _uint(1 << 31)}}, "block_count 2,147,483,648 is outside"),
+    ("block_count 3 of 2", {"metadata": {"llama.block_count": _uint(3)}}, "block_count is 3 but the file holds tensors of 2"),
+    ("block_count 0", {"metadata": {"llama.block_count": _uint(0)}}, "block_count 0 is outside"),
+    ("embedding 2**33", {"metadata": {"llama.embedding_length": _uint(1 << 33)}}, "embedding_length 8,589,934,592 is outside"),
+    ("embedding 128 of 64", {"metadata": {"llama.embedding_length": _uint(128)}}, "token_embd.weight is"),
+    ("context 2**40", {"metadata": {"llama.context_length": _uint(1 << 40)}}, "context_length 1,099,511,627,776 is outside"),
+    ("context 0", {"metadata": {"llama.context_length": _uint(0)}}, "context_length 0 is outside"),
+    ("heads 0", {"metadata": {"llama.attention.head_count": _uint(0)}}, "must be positive"),
+    ("heads 2**20", {"metadata": {"llama.attention.head_count": _uint(1 << 20)}}, "over head_count 1,048,576 heads"),
+    ("kv heads 3 of 4", {"metadata": {"llama.attention.head_count_kv": _uint(3)}}, "not a multiple"),
+    ("key length 2**20", {"metadata": {"llama.attention.key_length": _uint(1 << 20)}}, "key_length 1,048,576 is outside"),
+    ("ffn 2**31", {"metadata": {"llama.feed_forward_length": _uint(1 << 31)}}, "feed_forward_length 2,147,483,648 is outside"),
+    ("experts 2**20", {"metadata": {"llama.expert_count": _uint(1 << 20), "llama.expert_used_count": _uint(2)}},
+     "expert_count 1,048,576 is outside"),
+    ("experts used 9 of 8", {"metadata": {"llama.expert_count": _uint(8), "llama.expert_used_count": _uint(9)}},
+     "not a valid routing"),
+    ("experts with none used", {"metadata": {"llama.expert_count": _uint(8)}}, "not a valid routing"),
+    ("block_count a string", {"metadata": {"llama.block_count": ("2", "STRING")}}, "unexpected value"),
+    ("block_count negative", {"metadata": {"llama.block_count": (-2, "INT32")}}, "unexpected value"),
+    ("epsilon a string", {"metadata": {"llama.attention.layer_norm_rms_epsilon": ("x", "STRING")}}, "unexpected value"),
+    ("no block_count", {"drop": ("llama.block_count",)}, "block_count is missing"),
+    ("no embedding", {"drop": ("token_embd.weight",)}, "token_embd.weight is missing"),
+    ("rope dims 2**20", {"metadata": {"llama.rope.dimension_count": _uint(1 << 20)}}, "does not fit head size"),
+    ("rope scaling unknown", {"metadata": {"llama.rope.scaling.type": ("weird", "STRING")}}, "not supported"),
+    ("yarn without context", {"metadata": {"llama.rope.scaling.type": ("yarn", "STRING")}},
+     "original_context_length"),
+    ("rope_freqs wrong length", {"tensors": {"rope_freqs.weight": np.ones(5)}}, "plain floats"),
+    ("vocab longer than the embedding", {"metadata": {"tokenizer.ggml.tokens": (["a"] * 40, "ARRAY")}},
+     "40 tokens but 32 embedding rows"),
+]
+
+HF_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("layers 2**31", {"config": {"num_hidden_layers": 1 << 31}}, "num_hidden_layers 2,147,483,648 is outside"),
+    ("layers 3 of 2", {"config": {"num_hidden_layers": 3}}, "num_hidden_layers is 3 but the weights hold tensors of 2"),
+    ("hidden 2**33", {"config": {"hidden_size": 1 << 33}}, "hidden_size 8,589,934,592 is outside"),
+    ("hidden 128 of 64", {"config": {"hidden_size": 128}}, "model.embed_tokens.weight is 32 x 64"),
+    ("vocab 33 of 32", {"config": {"vocab_size": 33}}, "model.embed_tokens.weight is 32 x 64"),
+    ("context 2**40", {"config": {"max_position_embeddings": 1 << 40}}, "max_position_embeddings 1,099,511,627,776"),
+    ("heads 0", {"config": {"num_attention_heads": 0}}, "ZeroDivisionError"),
+    ("kv heads 3 of 4", {"config": {"num_key_value_heads": 3}}, "not a multiple"),
+    ("intermediate negative", {"config": {"intermediate_size": -5}}, "intermediate_size -5 is outside"),
+    ("hidden infinite", {"config": {"hidden_size": 1e400}}, "OverflowError"),
+    ("hidden a string", {"config": {"hidden_size": "big"}}, "malformed"),
+    ("no vocab", {"drop": ("vocab_size",)}, "malformed"),
+    ("gptq group_size null", {"config": _gptq(None)}, "group_size None must be -1 or a positive integer"),
+    ("gptq group_size 7", {"config": _gptq(7)}, "group_size 7 does not divide"),
+    ("gptq group_size 0", {"config": _gptq(0)}, "group_size 0 must be"),
+    ("gptq 3 bits", {"config": _gptq(32, bits=3)}, "3 bits is not supported"),
+    ("unknown quantization", {"config": {"quantization_config": {"quant_method": "bnb"}}}, "not supported"),
+    ("model_type unknown", {"config": {"model_type": "gpt2"}}, "model_type 'gpt2' is not supported"),
+]
+
+# Runs in the child: read each checkpoint as pull and show do, one JSON line per case.
+_CHILD = """
+import json, resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+from localserve.errors import LocalserveError
+from localserve.facts.checkpoint import model_info
+from localserve.formats import open_checkpoint
+for path in sys.argv[1:]:
+    start = time.monotonic()
+    try:
+        model_info(open_checkpoint(path))
+        error = None
+    except LocalserveError as exc:
+        error = str(exc)
+    print(json.dumps({"path": path, "error": error, "seconds": time.monotonic() - start}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("hostile")
+    paths = []
+    for index, (_, how, _) in enumerate(GGUF_CASES):
+        paths.append(write_gguf(root / f"g{index}.gguf", how.get("metadata"), how.get("drop", ()), how.get("tensors")))
+    for index, (_, how, _) in enumerate(HF_CASES):
+        paths.append(write_hf(root / f"h{index}", how.get("config"), how.get("drop", ())))
+    result = subprocess.run([sys.executable, "-c", _CHILD, *map(str, paths)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]  # a traceback or MemoryError would end here
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(lines) == len(paths)
+    return {Path(line["path"]).name.removesuffix(".gguf"): line for line in lines}
+
+
+def _check(outcome: dict[str, Any], pattern: str) -> None:
+    assert outcome["error"] is not None, "read without an error"
+    assert "\n" not in outcome["error"]
+    assert pytest.importorskip("re").search(pattern, outcome["error"]), outcome["error"]
+    assert outcome["seconds"] < 5
+
+
+@pytest.mark.parametrize("index", range(len(GGUF_CASES)), ids=[case[0] for case in GGUF_CASES])
+def test_hostile_gguf_metadata_is_one_line_error(outcomes: dict[str, dict[str, Any]], index: int) -> None:
+    _check(outcomes[f"g{index}"], GGUF_CASES[index][2])
+
+
+@pytest.mark.parametrize("index", range(len(HF_CASES)), ids=[case[0] for case in HF_CASES])
+def test_hostile_hf_config_is_one_line_error(outcomes: dict[str, dict[str, Any]], index: int) -> None:
+    _check(outcomes[f"h{index}"], HF_CASES[index][2])
+
+
+def test_the_builders_make_readable_models(tmp_path: Path) -> None:
+    """The corpus's untouched files read and generate, so each case fails for its own change."""
+    from localserve import LLM, SamplingParams
+
+    for path in (write_gguf(tmp_path / "ok.gguf"), write_hf(tmp_path / "ok")):
+        [out] = LLM(path, device="cpu", num_kv_blocks=16).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+        assert len(out.token_ids) == 3
