@@ -327,3 +327,36 @@ def test_serve_with_no_model_answers_the_readme_on_the_built_in_demo(tmp_path: P
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_a_drain_that_times_out_ends_streams_with_an_error_and_done(tmp_path: Path) -> None:
+    """SIGTERM with a stream still generating past --drain-timeout: the stream ends with
+    an error event and [DONE] (before: the connection was cut mid-stream), and the daemon
+    exits 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--port", str(port), "--device", "cpu",
+                                "--model", f"tiny={STORIES_GGUF}", "--kv-cache-memory", "64MiB",
+                                "--drain-timeout", "0.3"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    try:
+        wait_healthy(url, process)
+        # Top-20 logprobs make every token's event large and slow to make: the stream is
+        # still running when the drain times out.
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1800, "ignore_eos": True,
+                "logprobs": 20, "stream": True}
+        with httpx.Client(base_url=url, timeout=60) as client, client.stream("POST", "/v1/completions",
+                                                                                json=body) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "server_error" and "drain timeout (0.3 s)" in error["message"]
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)

@@ -183,6 +183,11 @@ class AsyncEngine:
 
         self._submit(abort)
 
+    def fail_requests(self, error: BaseException) -> None:
+        """End every request in flight with ``error`` (their streams raise it), as soon as
+        the current step is done."""
+        self._submit(lambda: self._fail_all(error))
+
     def shutdown(self) -> None:
         """Stop the thread; requests still in flight end with EngineDeadError."""
         self._stopping = True

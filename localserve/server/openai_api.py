@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.async_engine import RequestStream
+from ..engine.async_engine import EngineDeadError, RequestStream
 from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
@@ -237,9 +237,11 @@ class _EventStream(StreamingResponse):
         try:
             async for data in chunks:
                 yield b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
-        except LocalserveError as exc:
-            # Headers are out: report in-band, as OpenAI's servers do mid-stream.
-            error = {"error": {"message": str(exc), "type": "invalid_request_error", "param": None, "code": None}}
+        except (LocalserveError, EngineDeadError) as exc:
+            # Headers are out: report in-band, as OpenAI's servers do mid-stream. An engine
+            # that ended the request (unloaded, the drain timed out, failed) is the server's.
+            kind = "server_error" if isinstance(exc, EngineDeadError) else "invalid_request_error"
+            error = {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 

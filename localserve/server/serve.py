@@ -13,6 +13,7 @@ from pathlib import Path
 
 import uvicorn
 
+from ..engine.async_engine import EngineDeadError
 from ..errors import LocalserveError
 from .app import create_app
 from .config import ServerConfig
@@ -90,9 +91,21 @@ class DrainingServer(uvicorn.Server):
         if counter % _STATUS_EVERY_TICKS == 0 and not self.guard.draining:
             self._update_status()
         if self.drain_deadline is not None and not self.should_exit:
-            if self.guard.in_flight == 0 or time.monotonic() >= self.drain_deadline:
+            if self.guard.in_flight == 0:
+                self.should_exit = True
+            elif time.monotonic() >= self.drain_deadline:
+                self._end_requests()
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    def _end_requests(self) -> None:
+        """The drain timed out: every request still running ends now with an error (a
+        stream with an error event and [DONE]), not a cut connection."""
+        log.warning("drain timeout: ending %d requests in flight", self.guard.in_flight)
+        error = EngineDeadError(f"the server is shutting down: its drain timeout ({self.drain_timeout:g} s) passed "
+                                "before this response finished")
+        for model in list(self.state.manager.loaded.values()):
+            model.engine.fail_requests(error)
 
     async def _reload_models(self) -> None:
         self.notifier.reloading()
