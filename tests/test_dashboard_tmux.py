@@ -63,20 +63,20 @@ def tmux_pane(command: str, width: int = 140, height: int = 45) -> Iterator[str]
     # The pane stays after the command exits, so a crash leaves its traceback to read.
     shell = f"{command}; echo \"[exited $?]\"; sleep 60"
     subprocess.run([*tmux, "-f", "/dev/null", "new-session", "-d", "-s", name, "-x", str(width), "-y", str(height),
-                    shell], check=True, cwd=ROOT)
+                    shell], check=True, cwd=ROOT, timeout=30)
     socket = subprocess.run([*tmux, "display-message", "-p", "#{socket_path}"], capture_output=True, text=True,
-                            check=False).stdout.strip()
+                            check=False, timeout=30).stdout.strip()
     try:
         yield name
     finally:
-        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True)
+        subprocess.run([*tmux, "kill-server"], check=False, capture_output=True, timeout=30)
         if socket:
             Path(socket).unlink(missing_ok=True)  # kill-server leaves it behind
 
 
 def capture(session: str) -> str:
     answer = subprocess.run(["tmux", "-L", session, "capture-pane", "-p", "-t", session],
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, check=False, timeout=30)
     return answer.stdout
 
 

@@ -170,7 +170,7 @@ def deb(dists: tuple[Path, Path], source_tree: Path, tmp_path_factory: pytest.Te
     """build-deb.sh from the sdist's tree, with its staging folder in a known TMPDIR."""
     if not shutil.which("dpkg-deb"):
         pytest.skip("dpkg-deb is not installed (not a Debian system)")
-    if subprocess.run(["/usr/bin/python3", "-c", "import ensurepip"], capture_output=True).returncode:
+    if subprocess.run(["/usr/bin/python3", "-c", "import ensurepip"], capture_output=True, timeout=60).returncode:
         pytest.skip("/usr/bin/python3 cannot make virtual environments (apt install python3-venv)")
     out = tmp_path_factory.mktemp("deb")
     (out / "tmp").mkdir()
@@ -202,7 +202,7 @@ def test_deb_lays_out_the_tree(deb: Path, tmp_path: Path) -> None:
     assert os.readlink(tree / "opt/localserve/bin/python3") == "/usr/bin/python3"
     # No file names the staging folder (build-deb.sh's mktemp under TMPDIR).
     staging = deb.parent / "tmp"
-    leaks = subprocess.run(["grep", "-rlF", str(staging), str(tree)], capture_output=True, text=True)
+    leaks = subprocess.run(["grep", "-rlF", str(staging), str(tree)], capture_output=True, text=True, timeout=120)
     assert leaks.returncode == 1, f"files naming the staging path {staging}:\n{leaks.stdout[:2000]}"
 
     info = run(["dpkg-deb", "-I", str(deb)]).stdout
@@ -273,7 +273,7 @@ def cannot_overlay_root(work: Path) -> str | None:
         if not shutil.which(tool):
             return f"needs {tool}"
     probe = subprocess.run(["unshare", "-m", "--fork", "sh", "-c", OVERLAY], capture_output=True, text=True,
-                           env={**os.environ, "WORK": str(work)})
+                           env={**os.environ, "WORK": str(work)}, timeout=60)
     remove_overlay(work)
     return f"failed here: {probe.stderr.strip()}" if probe.returncode else None
 

@@ -150,7 +150,7 @@ def test_the_daemon_under_systemd(tmp_path: Path, listener: NotifyListener) -> N
     finally:
         if process.poll() is None:
             process.kill()
-            process.wait()
+            process.wait(timeout=30)
 
     # journald's form: a syslog priority on every line, no colours, no time stamps.
     lines = log.read_text().splitlines()
