@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -317,3 +318,74 @@ def test_a_hub_file_url_is_a_url() -> None:
 
     assert parse_hub_source("https://huggingface.co/acme/m/resolve/main/m-Q4_K_M.gguf") is None
     assert parse_hub_source("./models/x.gguf") is None
+
+
+def _endless_server() -> tuple[str, Callable[[], None]]:
+    """An HTTP server whose .gguf never ends (chunked, no Content-Length), and whose
+    huge.gguf announces 10 TB."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - the base class's name
+            self.send_response(200)
+            if self.path.endswith("huge.gguf"):
+                self.send_header("Content-Length", str(10 ** 13))
+                self.end_headers()
+                return
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            chunk = b"x" * 65536
+            try:
+                while True:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_address[1]}", stop
+
+
+def test_url_pulls_stop_at_the_size_limit(tmp_path: Path) -> None:
+    """Before: an endless body was downloaded to 1.2 GB before failing."""
+    registry = empty_registry(tmp_path / "home")
+    url, stop = _endless_server()
+    try:
+        with pytest.raises(LocalserveError, match="sent more than the limit of 4,194,304 bytes"):
+            pull(registry, f"{url}/endless.gguf", max_bytes=4 << 20)
+        with pytest.raises(LocalserveError, match="offers 10,000,000,000,000 bytes, more than the limit"):
+            pull(registry, f"{url}/huge.gguf")
+    finally:
+        stop()
+    assert registry.list() == []
+    leftovers = [p for p in (tmp_path / "home" / "blobs").iterdir() if p.stat().st_size > 0]
+    assert leftovers == []  # what arrived was deleted
+
+
+def test_killed_imports_leave_no_temporary_files(tmp_path: Path) -> None:
+    """A copy killed mid-way leaves blobs/tmp-*; the next registry opening removes it,
+    but not a copy another process is writing now (it holds a lock)."""
+    import fcntl
+
+    registry = empty_registry(tmp_path / "home")
+    blobs = tmp_path / "home" / "blobs"
+    (blobs / "tmp-orphan").write_bytes(b"x" * 1000)
+    (blobs / "partial-url-abc").write_bytes(b"y" * 1000)  # a resumable download stays
+    with open(blobs / "tmp-busy", "wb") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)
+        empty_registry(tmp_path / "home")
+        assert sorted(p.name for p in blobs.iterdir() if p.name.startswith(("tmp-", "partial-"))) == [
+            "partial-url-abc", "tmp-busy"]
+    del registry

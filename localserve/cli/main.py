@@ -339,7 +339,9 @@ def show(model: str, as_json: bool, show_template: bool, show_license: bool) -> 
               "file or folder name).")
 @click.option("--sha256", default=None, help="The expected sha256 of a URL's file (checked before it is registered).")
 @click.option("--json", "as_json", is_flag=True, help="Print the registered model as JSON.")
-def pull(source: str, name: str | None, sha256: str | None, as_json: bool) -> None:
+@click.option("--max-size", default="64GiB", show_default=True, type=ByteSize(), envvar="LOCALSERVE_MAX_DOWNLOAD_SIZE",
+              help="Refuse a downloaded file larger than this.")
+def pull(source: str, name: str | None, sha256: str | None, as_json: bool, max_size: int) -> None:
     """Add a model to the registry from SOURCE:
 
     \b
@@ -358,7 +360,7 @@ def pull(source: str, name: str | None, sha256: str | None, as_json: bool) -> No
 
     progress = progress_bar()
     try:
-        record = pull_model(open_registry(), source, name, sha256, progress)
+        record = pull_model(open_registry(), source, name, sha256, progress, max_size)
     finally:
         if progress.live.is_started:
             progress.stop()

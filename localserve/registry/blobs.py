@@ -7,6 +7,7 @@ is one), so a blob under its final name is always complete and correct.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -38,6 +39,18 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        self._remove_orphans()
+
+    def _remove_orphans(self) -> None:
+        """Delete the temporary copies of imports that were killed (resumable download
+        partials stay). A copy in progress holds a lock on its file, so only orphans go."""
+        for temporary in self.root.glob("tmp-*"):
+            try:
+                with open(temporary, "rb") as handle:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    temporary.unlink()
+            except (BlockingIOError, FileNotFoundError):
+                continue  # being written, or gone already
 
     def path(self, digest: str) -> Path:
         return self.root / check_digest(digest)
@@ -57,10 +70,13 @@ class BlobStore:
         sha = hashlib.sha256()
         try:
             with open(source, "rb") as reader, open(temporary, "wb") as writer:
+                fcntl.flock(writer, fcntl.LOCK_EX)  # not an orphan while this runs (see _remove_orphans)
                 while chunk := reader.read(_CHUNK):
                     sha.update(chunk)
                     writer.write(chunk)
-            return self._commit(temporary, f"sha256-{sha.hexdigest()}", expected, str(source))
+                writer.flush()
+                # Renamed while still locked, so no cleanup can take it between.
+                return self._commit(temporary, f"sha256-{sha.hexdigest()}", expected, str(source))
         finally:
             temporary.unlink(missing_ok=True)
 

@@ -25,6 +25,9 @@ from .blobs import BlobStore, check_digest
 
 _CHUNK = 1 << 20
 _TIMEOUT = httpx.Timeout(30.0, read=60.0)
+# The largest file a pull takes unless told otherwise: the Hub's own per-file limit is 50 GB
+# (bigger models come split), so more is a mistake or a server that never stops sending.
+DEFAULT_MAX_FILE_BYTES = 64 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +46,11 @@ class DownloadError(LocalserveError):
 
 
 def download(store: BlobStore, remote: RemoteFile, headers: dict[str, str] | None = None,
-             progress: Progress | None = None, retries: int = 3) -> str:
+             progress: Progress | None = None, retries: int = 3, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> str:
     """Fetch ``remote`` into ``store`` and return its digest. A dropped connection is
-    resumed up to ``retries`` times; after that the partial file stays for the next pull."""
+    resumed up to ``retries`` times; after that the partial file stays for the next pull.
+    A file larger than ``max_bytes`` (by its Content-Length, or as it arrives) is refused
+    and what arrived deleted."""
     if remote.digest is not None:
         check_digest(remote.digest)
     key = remote.digest or "url-" + hashlib.sha256(remote.url.encode()).hexdigest()
@@ -59,7 +64,7 @@ def download(store: BlobStore, remote: RemoteFile, headers: dict[str, str] | Non
             task = progress.add_task(remote.name, total=remote.size)
         for attempt in range(retries + 1):
             try:
-                _fetch(client, remote, partial, headers or {}, progress, task)
+                _fetch(client, remote, partial, headers or {}, progress, task, max_bytes)
                 break
             except (httpx.TransportError, _Retry) as exc:
                 if attempt == retries:
@@ -78,7 +83,7 @@ def download(store: BlobStore, remote: RemoteFile, headers: dict[str, str] | Non
 
 
 def _fetch(client: httpx.Client, remote: RemoteFile, partial: Path, headers: dict[str, str],
-           progress: Progress | None, task: TaskID | None) -> None:
+           progress: Progress | None, task: TaskID | None, max_bytes: int) -> None:
     etag_file = _etag_file(partial)
     have = partial.stat().st_size if partial.exists() else 0
     request_headers = dict(headers)
@@ -101,12 +106,22 @@ def _fetch(client: httpx.Client, remote: RemoteFile, partial: Path, headers: dic
             have, mode = 0, "wb"  # no resume (no partial, or the file changed): from the start
         else:
             raise DownloadError(f"{remote.name}: {_http_error(response)}")
+        length = response.headers.get("content-length", "")
+        if length.isdigit() and have + int(length) > max_bytes:
+            raise DownloadError(f"{remote.name}: the server offers {have + int(length):,} bytes, more than the "
+                                f"limit of {max_bytes:,} (pull --max-size)")
         if etag := response.headers.get("etag"):
             etag_file.write_text(etag)
         if progress is not None and task is not None:
             progress.update(task, completed=have)
         with open(partial, mode) as writer:
             for chunk in response.iter_bytes():  # as it arrives: a dropped connection loses nothing read
+                have += len(chunk)
+                if have > max_bytes:  # no Content-Length, and no end in sight
+                    writer.close()
+                    partial.unlink()
+                    raise DownloadError(f"{remote.name}: the server sent more than the limit of {max_bytes:,} bytes "
+                                        "(pull --max-size); what arrived was deleted")
                 writer.write(chunk)
                 if progress is not None and task is not None:
                     progress.advance(task, len(chunk))

@@ -16,20 +16,21 @@ from rich.progress import Progress
 from ..errors import LocalserveError
 from . import hub
 from .blobs import check_digest
-from .download import RemoteFile, download
+from .download import DEFAULT_MAX_FILE_BYTES, RemoteFile, download
 from .local import default_name, import_local, register_fetched, role_of
 from .names import parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
 
 
 def pull(registry: Registry, source: str, name: str | None = None, sha256: str | None = None,
-         progress: Progress | None = None) -> ModelRecord:
+         progress: Progress | None = None, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ModelRecord:
     """Pull ``source``: ``hf.co/<owner>/<repo>[:<tag>]``, an ``https://`` URL of a .gguf
-    file, or a local .gguf file or HF checkpoint folder."""
+    file, or a local .gguf file or HF checkpoint folder; no downloaded file may be larger
+    than ``max_bytes``."""
     if (hub_source := hub.parse_hub_source(source)) is not None:
-        return pull_hub(registry, hub_source, name, progress)
+        return pull_hub(registry, hub_source, name, progress, max_bytes)
     if re.match(r"https?://", source, re.IGNORECASE):
-        return pull_url(registry, source, name, sha256, progress)
+        return pull_url(registry, source, name, sha256, progress, max_bytes)
     path = Path(source).expanduser()
     if path.exists():
         return import_local(registry, path, name)
@@ -38,7 +39,7 @@ def pull(registry: Registry, source: str, name: str | None = None, sha256: str |
 
 
 def pull_hub(registry: Registry, source: hub.HubSource, name: str | None = None,
-             progress: Progress | None = None) -> ModelRecord:
+             progress: Progress | None = None, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ModelRecord:
     if hub.offline():
         return _import_cached(registry, source, name)
     revision, files, license = hub.list_repo(source, None)
@@ -46,7 +47,8 @@ def pull_hub(registry: Registry, source: hub.HubSource, name: str | None = None,
         revision, files, license = hub.list_repo(source, source.tag)  # the tag names a revision
     plan = hub.plan_pull(source, revision, files, license, name)
     headers = hub.auth_headers()
-    digests = [download(registry.blobs, remote, headers, progress) for remote in hub.remote_files(source, plan)]
+    digests = [download(registry.blobs, remote, headers, progress, max_bytes=max_bytes)
+               for remote in hub.remote_files(source, plan)]
     return register_fetched(registry, plan.name, _model_files(registry, plan, digests),
                             f"hf.co/{source.repo}@{revision}", license)
 
@@ -79,7 +81,7 @@ def progress_bar() -> Progress:
 
 
 def pull_url(registry: Registry, url: str, name: str | None = None, sha256: str | None = None,
-             progress: Progress | None = None) -> ModelRecord:
+             progress: Progress | None = None, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ModelRecord:
     """One .gguf file from a URL; ``sha256`` (hex, or sha256-hex) is checked when given."""
     parsed = urlparse(url)
     if parsed.scheme.lower() not in ("http", "https") or not parsed.netloc:
@@ -91,7 +93,8 @@ def pull_url(registry: Registry, url: str, name: str | None = None, sha256: str 
     expected = None
     if sha256:
         expected = check_digest(sha256 if sha256.startswith("sha256-") else f"sha256-{sha256.lower()}")
-    digest = download(registry.blobs, RemoteFile(url, file_name, digest=expected), progress=progress)
+    digest = download(registry.blobs, RemoteFile(url, file_name, digest=expected), progress=progress,
+                      max_bytes=max_bytes)
     model_name = parse_name(name) if name else default_name(Path(file_name))
     size = registry.blobs.path(digest).stat().st_size
     return register_fetched(registry, model_name, [ModelFile(file_name, digest, size, "weights")], url)
