@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -26,11 +27,12 @@ CHAT_TEMPLATE = (
 
 
 def stories_with_template(root: Path) -> Path:
-    """stories260K-hf (linked from ../shared, not copied) with a chat template added."""
+    """stories260K-hf copied from ../shared (1.2 MB; a folder of links out of itself is
+    refused by pull) with a chat template added."""
     folder = root / "stories"
     folder.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
-        (folder / name).symlink_to(STORIES_HF / name)
+        shutil.copyfile(STORIES_HF / name, folder / name)
     config = json.loads((STORIES_HF / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
     return folder
