@@ -10,15 +10,13 @@ import torch
 
 from localserve.errors import LocalserveError
 from localserve.formats.architectures import ARCHITECTURES
+from localserve.formats.layout import IGNORED_SUFFIXES, layout
 from localserve.formats.spec import ModelSpec
 from localserve.kernels.quant_weight import QuantWeight
 
 from .layers import Linear
-from .llama import LlamaForCausalLM, Slot
-from .moe import Experts
+from .llama import LlamaForCausalLM
 
-# Names some checkpoints carry that hold nothing we need (derived at load time).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 NamedWeights = Iterable[tuple[str, torch.Tensor | QuantWeight]]
 
@@ -73,43 +71,41 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def _is_expert_slot(slot: Slot) -> bool:
-    return isinstance(slot, tuple) and isinstance(slot[0], Experts)
-
-
 def load_weights(model: LlamaForCausalLM, weights: NamedWeights,
                  on_complete: Callable[[Linear], None] | None = None) -> None:
-    """Fill the model's slots from named weights; ``on_complete`` gets each projection
-    once all its parts are in."""
+    """Fill the model's slots from named weights, each checked against the layout of the
+    model's spec (formats/layout.py: the same statement ``pull`` checks files against);
+    ``on_complete`` gets each projection once all its parts are in."""
+    expected = layout(model.spec)
     slots = model.checkpoint_slots()
     filled: set[str] = set()
     for name, value in weights:
-        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.spec.tie_word_embeddings):
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.spec.tie_word_embeddings):
             continue
-        slot = slots.get(name)
+        shape = expected.shapes.get(name)
+        if shape is None:
+            raise LocalserveError(f"checkpoint tensor {name!r} does not belong to a {model.spec.architecture} model")
         if name in filled:
             raise LocalserveError(f"checkpoint tensor {name!r} appears twice")
-        if slot is None:
-            raise LocalserveError(f"checkpoint tensor {name!r} does not belong to a {model.spec.architecture} model")
+        if tuple(value.shape) != shape:
+            raise LocalserveError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
+        slot = slots[name]
         if isinstance(slot, torch.Tensor):
-            expected = tuple(slot.shape)
+            if isinstance(value, QuantWeight):
+                raise LocalserveError(f"checkpoint tensor {name!r} is quantized; a norm weight cannot be")
+            slot.data.copy_(value)
         else:
             linear, part, is_bias = slot
-            expected = linear.expected_shape(part, is_bias)
-        if tuple(value.shape) != expected or (isinstance(value, QuantWeight) and (isinstance(slot, torch.Tensor) or is_bias)):
-            raise LocalserveError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, expected {expected}")
-        if isinstance(slot, torch.Tensor):
-            slot.data.copy_(value)
-        elif is_bias:
-            linear.bias_parts[part] = value  # type: ignore[index]
-        else:
-            linear.parts[part] = value  # type: ignore[index]
-        if on_complete is not None and isinstance(slot, tuple) and isinstance(linear, Linear) and linear.complete:
-            on_complete(linear)
+            if is_bias:
+                if isinstance(value, QuantWeight):
+                    raise LocalserveError(f"checkpoint tensor {name!r} is quantized; a bias cannot be")
+                linear.bias_parts[part] = value  # type: ignore[index]
+            else:
+                linear.parts[part] = value  # type: ignore[index]
+            if on_complete is not None and isinstance(linear, Linear) and linear.complete:
+                on_complete(linear)
         filled.add(name)
-    # Experts may come one by one or stacked, so their slots are alternatives that
-    # Experts.finalize checks for completeness.
-    missing = sorted(n for n in set(slots) - filled if not _is_expert_slot(slots[n]))
+    missing = expected.missing(filled)
     if missing:
         shown = ", ".join(missing[:5])
         raise LocalserveError(f"checkpoint is missing {len(missing)} tensors, e.g. {shown}")

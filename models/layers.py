@@ -50,9 +50,6 @@ class Linear(nn.Module):
         self.weights: list[Weight] = []
         self.bias: torch.Tensor | None = None
 
-    def expected_shape(self, part: int, is_bias: bool) -> tuple[int, ...]:
-        return (self.part_sizes[part],) if is_bias else (self.part_sizes[part], self.in_features)
-
     @property
     def complete(self) -> bool:
         """Every part (and bias part) filled, and not finalized yet."""

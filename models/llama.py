@@ -16,9 +16,10 @@ from localserve.formats.spec import ModelSpec
 from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
 
 from localserve.formats.architectures import ARCHITECTURES
+from localserve.formats.layout import PROJECTIONS
 
 from .layers import MLP, Embedding, Linear, RMSNorm
-from .moe import PROJECTIONS, Experts, SparseMoE
+from .moe import Experts, SparseMoE
 from .rope import RotaryEmbedding
 
 # Where each checkpoint tensor goes: (module, part, is bias), or a plain tensor.

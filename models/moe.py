@@ -8,14 +8,13 @@ import torch
 from torch import nn
 
 from localserve.errors import LocalserveError
+from localserve.formats.layout import PROJECTIONS
 from localserve.formats.spec import ModelSpec
 from localserve.kernels.experts import ExpertMLP, ExpertWeights
 from localserve.kernels.moe import fused_moe, route
 from localserve.kernels.quant_weight import QuantWeight
 
 from .layers import MLP, Linear, Weight
-
-PROJECTIONS = ("gate", "up", "down")
 
 
 class Experts(nn.Module):
@@ -37,21 +36,12 @@ class Experts(nn.Module):
             return self.hidden_size, self.intermediate_size
         return self.intermediate_size, self.hidden_size
 
-    def expected_shape(self, part: tuple[str, int | None], is_bias: bool) -> tuple[int, ...]:
-        projection, expert = part
-        rows, columns = self._matrix(projection)
-        return (rows, columns) if expert is not None else (self.num_experts * rows, columns)
-
     def _stacked(self, projection: str) -> ExpertWeights:
         whole = self.parts.get((projection, None))
         if whole is not None:
             if isinstance(whole, QuantWeight):
                 return ExpertWeights(whole, self.num_experts)
             return ExpertWeights(whole.view(self.num_experts, *self._matrix(projection)), self.num_experts)
-        missing = [e for e in range(self.num_experts) if (projection, e) not in self.parts]
-        if missing:
-            raise LocalserveError(f"checkpoint is missing the {projection} projection of "
-                                  f"{len(missing)} experts (e.g. expert {missing[0]})")
         try:
             return ExpertWeights.stack([self.parts[(projection, e)] for e in range(self.num_experts)])
         except ValueError as exc:  # experts quantized unlike each other

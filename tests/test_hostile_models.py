@@ -205,3 +205,87 @@ def test_the_builders_make_readable_models(tmp_path: Path) -> None:
     for path in (write_gguf(tmp_path / "ok.gguf"), write_hf(tmp_path / "ok")):
         [out] = LLM(path, device="cpu", num_kv_blocks=16).generate([[1, 2, 3]], SamplingParams(max_tokens=3))
         assert len(out.token_ids) == 3
+
+
+# -- every tensor checked before a model is registered ----------------------------------------
+
+def _gguf_with_type(path: Path, name: str, ggml_type: str) -> Path:
+    """The corpus GGUF with tensor ``name`` stored as raw blocks of another GGML type."""
+    import gguf
+
+    write_gguf(path, drop=(name,))
+    rows, columns = (HIDDEN, HIDDEN)
+    kind = getattr(gguf.GGMLQuantizationType, ggml_type)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = np.zeros((rows, columns // block * size), dtype=np.uint8)
+    rewritten = path.with_suffix(".typed.gguf")
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(rewritten), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return rewritten
+
+
+def _hf_with(folder: Path, change: dict[str, Any]) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    write_hf(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, value in change.items():
+        if value is None:
+            del tensors[name]
+        else:
+            tensors[name] = value
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+TENSOR_CASES: list[tuple[str, Any, str]] = [
+    ("gguf: a Q8_1 tensor", lambda root: _gguf_with_type(root / "q81.gguf", "blk.0.attn_q.weight", "Q8_1"),
+     "blk.0.attn_q.weight is of GGML type Q8_1"),
+    ("gguf: a missing tensor", lambda root: write_gguf(root / "missing.gguf", drop=("blk.1.ffn_down.weight",)),
+     "missing 1 tensors, e.g. model.layers.1.mlp.down_proj.weight"),
+    ("gguf: a mis-shaped tensor", lambda root: write_gguf(root / "shape.gguf", tensors={
+        "blk.0.attn_k.weight": np.ones((HIDDEN // 2, HIDDEN))}), r"has shape \(32, 64\), expected \(64, 64\)"),
+    ("gguf: a stranger tensor", lambda root: write_gguf(root / "extra.gguf", tensors={
+        "blk.0.weird.weight": np.ones(4)}), "blk.0.weird.weight is not part of a llama model"),
+    ("hf: a missing tensor", lambda root: _hf_with(root / "hf-missing", {"model.layers.0.mlp.up_proj.weight": None}),
+     "missing 1 tensors"),
+    ("hf: a mis-shaped tensor", lambda root: _hf_with(root / "hf-shape", {
+        "model.layers.1.self_attn.o_proj.weight": np.ones((HIDDEN, 3), np.float32)}), "has shape"),
+    ("hf: integer weights", lambda root: _hf_with(root / "hf-int", {
+        "model.norm.weight": np.ones(HIDDEN, np.int32)}), "dtype I32"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(TENSOR_CASES)), ids=[case[0] for case in TENSOR_CASES])
+def test_pull_registers_only_what_the_engine_loads(tmp_path: Path, index: int) -> None:
+    """Before: a model the engine could not open (an unknown type, a missing or mis-shaped
+    tensor) was registered, `list` showed it and the daemon answered 400."""
+    import re
+
+    from localserve import LLM
+    from localserve.errors import LocalserveError
+    from localserve.registry import open_registry
+    from localserve.registry.local import import_local
+
+    _, make, pattern = TENSOR_CASES[index]
+    path = make(tmp_path)
+    registry = open_registry(tmp_path / "home")
+    before = registry.list()
+    with pytest.raises(LocalserveError) as error:
+        import_local(registry, path, "bad")
+    assert re.search(pattern, str(error.value)), str(error.value)
+    assert registry.list() == before
+    with pytest.raises(LocalserveError):  # the engine refuses it too, whatever it says first
+        LLM(path, device="cpu", num_kv_blocks=8)

@@ -12,6 +12,7 @@ import torch
 from .. import models
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
+from ..formats.layout import check_tensors
 from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
@@ -60,6 +61,7 @@ class Engine:
         self.device = pick_device(device)
         self.config = (config or EngineConfig()).for_device(self.device.type)
         checkpoint = open_checkpoint(model)
+        check_tensors(checkpoint)  # before anything is allocated: every tensor there, shaped, of a loadable type
         self.spec = spec = checkpoint.spec
         self.dtype = pick_dtype(dtype, spec.torch_dtype, self.device)
         self.checkpoint = checkpoint

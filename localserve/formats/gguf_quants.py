@@ -40,7 +40,7 @@ import torch
 
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight, pack_codes
-from .gguf_file import GGML_TYPES
+from .gguf_file import GGML_TYPES, LOADABLE_TYPES
 
 # ggml type ids (stable across llama.cpp versions; names and sizes live in GGML_TYPES).
 F32, F16, BF16 = 0, 1, 30
@@ -234,6 +234,9 @@ _BLOCK_TYPES: dict[int, _BlockType] = {
     Q5_K: _BlockType(256, 176, 5, 32, None, torch.uint8, _decode_q5_k),
     Q6_K: _BlockType(256, 210, 6, 16, 32, torch.int8, _decode_q6_k),
 }
+
+
+assert set(_DENSE) | set(_BLOCK_TYPES) == LOADABLE_TYPES, "gguf_file.LOADABLE_TYPES must name what converts"
 
 
 def _type_name(ggml_type: int) -> str:

@@ -73,13 +73,13 @@ class ModelSpec:
         """What is wrong with the declared sizes, or None; ``names`` says what the file
         calls each field, for the message."""
 
-        def said(field: str) -> str:
-            return f"{names.get(field, field)} {getattr(self, field):,}"
+        def said(name: str) -> str:
+            return f"{names.get(name, name)} {getattr(self, name):,}"
 
-        for field, ceiling in _CEILINGS.items():
-            low = 1 if field in _POSITIVE else 0
-            if not low <= getattr(self, field) <= ceiling:
-                return f"{said(field)} is outside {low}..{ceiling:,}"
+        for name, ceiling in _CEILINGS.items():
+            low = 1 if name in _POSITIVE else 0
+            if not low <= getattr(self, name) <= ceiling:
+                return f"{said(name)} is outside {low}..{ceiling:,}"
         if self.num_heads % self.num_kv_heads:
             return f"{said('num_heads')} is not a multiple of {said('num_kv_heads')}"
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
