@@ -265,7 +265,16 @@ TENSOR_CASES: list[tuple[str, Any, str]] = [
         "model.layers.1.self_attn.o_proj.weight": np.ones((HIDDEN, 3), np.float32)}), "has shape"),
     ("hf: integer weights", lambda root: _hf_with(root / "hf-int", {
         "model.norm.weight": np.ones(HIDDEN, np.int32)}), "dtype I32"),
+    ("hf: offsets past the end of the file", lambda root: _truncated(write_hf(root / "hf-cut")),
+     "not a valid safetensors file"),
 ]
+
+
+def _truncated(folder: Path) -> Path:
+    weights = folder / "model.safetensors"
+    with open(weights, "r+b") as file:
+        file.truncate(weights.stat().st_size - 1000)
+    return folder
 
 
 @pytest.mark.parametrize("index", range(len(TENSOR_CASES)), ids=[case[0] for case in TENSOR_CASES])
