@@ -322,17 +322,23 @@ def _load_dequantized(code_ptrs, scale_ptrs, mask, row_valid):
     return tl.where(mask, codes * scales[:, None], 0.0)
 
 
-def _choose_tiles(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
+def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) heuristics: small tiles for decode, larger for prefill, and
-    smaller for wide heads to keep the fp32 accumulator within registers."""
+    smaller for wide heads to keep the fp32 accumulator within registers. An 8-bit
+    cache's tiles are dequantized to fp32 in registers too, so with wide heads they are
+    smaller again: the sizes below are the largest that do not spill on sm_80 to sm_90
+    at 8 warps (scripts/triton_aot.py)."""
     dim_pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
+    wide = dim_pad > 64
     if max_query_len <= 1:
         # Pure decode: one token per sequence, so a tile only needs the head group.
         block_m = group_pad
+    elif quantized and wide:
+        block_m = 32 if dim_pad <= 128 else 16
     else:
         block_m = 64 if dim_pad <= 128 else 32
-    block_n = 64 if dim_pad <= 64 else 32
+    block_n = 16 if quantized and wide else 32 if wide else 64
     return max(block_m, group_pad, _MIN_DOT_DIM), max(block_n, _MIN_DOT_DIM)
 
 
@@ -348,7 +354,8 @@ def paged_attention(
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
     cache (8-bit when scales are given), for a flat batch of prefill chunks and decode
     tokens. Returns a tensor of the query's shape and dtype."""
-    block_m, block_n = _choose_tiles(meta.max_query_len, _group_size(query, k_cache), query.shape[2])
+    block_m, block_n = _choose_tiles(meta.max_query_len, _group_size(query, k_cache), query.shape[2],
+                                     quantized=k_scale is not None)
     return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, block_m=block_m, block_n=block_n)
 
 
@@ -411,6 +418,7 @@ def _paged_attention(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        num_warps=8,  # with 4, most tiles spill registers on sm_80 to sm_90 (scripts/triton_aot.py)
     )
     return out
 

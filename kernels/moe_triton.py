@@ -49,6 +49,7 @@ from .experts import ExpertMLP, ExpertWeights
 from .quant_weight import QuantWeight
 from .quant_linear_triton import _MIN_DOT_DIM, _dequantize_tile, _largest_pow2_divisor
 from .quant_linear_triton import _choose_block_k as _choose_quant_block_k
+from .quant_linear_triton import NUM_WARPS
 from .quant_linear_triton import supports as _quant_supports
 
 _MAX_BLOCK_M = 64
@@ -392,4 +393,5 @@ def _grouped_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        num_warps=NUM_WARPS,
     )

@@ -31,6 +31,10 @@ from .quant_weight import QuantWeight
 # tl.dot requires every dimension to be at least 16; group sizes are multiples of it.
 _MIN_DOT_DIM = 16
 _MAX_BLOCK_K = 64
+# Warps per program. Each tile's dequantized codes and fp32 accumulator are spread over
+# the warps' registers; with 4, every K-quant tile of 64 rows and some decode tiles spill
+# on sm_80 to sm_90 (scripts/triton_aot.py), with 8 none does.
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -202,9 +206,13 @@ def _choose_block_k(group_size: int, in_features: int) -> int:
 
 
 def _choose_tiles(m: int, group_size: int, in_features: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): a 16-row tile for decode, up to 64 rows for prefill."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K): a 16-row tile for decode, up to 64 rows for prefill.
+    A decode tile takes at most 32 inputs a step: with 64, Q4_0's spills registers on
+    sm_90 (scripts/triton_aot.py). Half of a valid BLOCK_K of 64 still tiles K in whole
+    groups or within one."""
     block_m = max(_MIN_DOT_DIM, min(64, triton.next_power_of_2(max(m, 1))))
-    return block_m, 64, _choose_block_k(group_size, in_features)
+    block_k = _choose_block_k(group_size, in_features)
+    return block_m, 64, min(block_k, 32) if block_m <= _MIN_DOT_DIM else block_k
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -284,5 +292,6 @@ def _quant_linear(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        num_warps=NUM_WARPS,
     )
     return out.view(*lead, n)

@@ -49,11 +49,16 @@ _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", 
           torch.float8_e4m3fn: "fp8e4nv", torch.bool: "i1"}
 
 
+# Launch keywords that are compile options, not kernel arguments.
+_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
 @dataclass(frozen=True)
 class Launch:
     kernel: Any  # the JITFunction
     args: tuple
     constexprs: dict[str, Any]
+    options: dict[str, Any]
 
 
 @contextmanager
@@ -62,7 +67,8 @@ def intercepted(*kernels: Any) -> Iterator[list[Launch]]:
     launches: list[Launch] = []
     saved = [kernel.run for kernel in kernels]
     for kernel in kernels:
-        kernel.run = lambda *args, grid, warmup, _k=kernel, **kw: launches.append(Launch(_k, args, kw))
+        kernel.run = lambda *args, grid, warmup, _k=kernel, **kw: launches.append(Launch(
+            _k, args, {k: v for k, v in kw.items() if k not in _OPTIONS}, {k: v for k, v in kw.items() if k in _OPTIONS}))
     try:
         yield launches
     finally:
@@ -92,7 +98,8 @@ def signature(launch: Launch) -> tuple[dict[str, str], dict[str, Any]]:
 def compile_for(launch: Launch, capability: int) -> dict[str, Any]:
     types, constexprs = signature(launch)
     start = time.monotonic()
-    compiled = triton.compile(ASTSource(launch.kernel, types, constexprs), target=GPUTarget("cuda", capability, 32))
+    compiled = triton.compile(ASTSource(launch.kernel, types, constexprs), target=GPUTarget("cuda", capability, 32),
+                              options=launch.options)
     registers, spills = _ptxas_usage(compiled.asm["ptx"], capability)
     return {"registers": registers, "spill_bytes": spills, "shared_bytes": compiled.metadata.shared,
             "num_warps": compiled.metadata.num_warps, "seconds": round(time.monotonic() - start, 2)}
@@ -213,18 +220,22 @@ KERNELS = (attention_triton._write_kv_kernel, attention_triton._paged_attention_
            quant_linear_triton._quant_linear_kernel, moe_triton._moe_gemm_kernel)
 
 
-def run(quick: bool, targets: list[int]) -> Iterator[dict[str, Any]]:
+def run(quick: bool, targets: list[int], only: str = "") -> Iterator[dict[str, Any]]:
     seen: set[tuple] = set()
     for name, launch_case in cases(quick):
+        if not name.startswith(only):
+            continue
         with intercepted(*KERNELS) as launches:
             launch_case()
         for launch in launches:
             types, constexprs = signature(launch)
-            key = (launch.kernel.__name__, tuple(types.items()), tuple(sorted(constexprs.items())))
+            key = (launch.kernel.__name__, tuple(types.items()), tuple(sorted(constexprs.items())),
+                   tuple(sorted(launch.options.items())))
             if key in seen:
                 continue  # another case chose the same program
             seen.add(key)
-            config = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k.startswith("BLOCK_"))
+            config = ", ".join([f"{k}={v}" for k, v in constexprs.items() if k.startswith("BLOCK_")]
+                               + [f"{k}={v}" for k, v in launch.options.items()])
             # float8 e4m3 needs compute capability 8.9 (Ada, Hopper); the engine refuses it below.
             fp8 = "*fp8e4nv" in types.values()
             for capability in (t for t in targets if t >= 89 or not fp8):
@@ -242,23 +253,36 @@ def run(quick: bool, targets: list[int]) -> Iterator[dict[str, Any]]:
                 yield row
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """Per kernel and target: programs compiled, the most registers and shared memory any
+    takes, and the spills and failures (both 0 when all is well)."""
+    lines = ["| kernel | target | programs | most registers | most shared memory | spilled bytes | failures |",
+             "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["kernel"].strip("_"), row["target"]), []).append(row)
+    for (kernel, target), group in groups.items():
+        built = [r for r in group if "registers" in r]
+        lines.append(f"| {kernel} | {target} | {len(group)} | {max((r['registers'] for r in built), default='-')} "
+                     f"| {max((r['shared_bytes'] for r in built), default='-')} B "
+                     f"| {sum(r['spill_bytes'] for r in built)} | {sum(1 for r in group if r['error'])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a representative subset (what CI compiles)")
     parser.add_argument("--markdown", action="store_true", help="print the table for the docs")
     parser.add_argument("--targets", default=",".join(map(str, TARGETS)), help="compute capabilities")
+    parser.add_argument("--only", default="", help="only the cases whose name starts with this")
     options = parser.parse_args()
     rows = []
-    for row in run(options.quick, [int(t) for t in options.targets.split(",")]):
+    for row in run(options.quick, [int(t) for t in options.targets.split(",")], options.only):
         rows.append(row)
         if not options.markdown:
             print(json.dumps(row), flush=True)
     if options.markdown:
-        print("| kernel | case | tiles | target | registers | spills | shared memory |")
-        print("|---|---|---|---|---|---|---|")
-        for row in rows:
-            print(f"| {row['kernel']} | {row['case']} | {row['config']} | {row['target']} | {row.get('registers', '-')} "
-                  f"| {row.get('spill_bytes', '-')} | {row.get('shared_bytes', '-')} |")
+        print(markdown(rows))
     sys.exit(1 if any(row["error"] for row in rows) else 0)
 
 
