@@ -146,9 +146,10 @@ def _attention(dtype: torch.dtype, cache: torch.dtype, heads: int, kv_heads: int
     attention_triton.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, *scales)
 
 
-_GGML = {"Q4_0": 2, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-_BLOCK = {"Q4_0": (32, 18), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
-          "Q5_K": (256, 176), "Q6_K": (256, 210)}
+_GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+         "Q6_K": 14}
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
 def _gguf_weight(kind: str, rows: int, columns: int) -> Any:
@@ -168,6 +169,17 @@ def _gptq_weight(bits: int, group: int, rows: int, columns: int) -> Any:
              "scales": torch.ones(groups, rows, dtype=torch.float16),
              "g_idx": torch.arange(columns, dtype=torch.int32) // group}
     return gptq_to_quant_weight("w", parts, QuantConfig("gptq", bits, group))
+
+
+def _awq_weight(group: int, rows: int, columns: int) -> Any:
+    from localserve.formats.hf import QuantConfig
+    from localserve.formats.hf_quant import awq_to_quant_weight
+
+    groups = columns // group
+    parts = {"qweight": torch.zeros(columns, rows // 8, dtype=torch.int32),
+             "qzeros": torch.zeros(groups, rows // 8, dtype=torch.int32),
+             "scales": torch.ones(groups, rows, dtype=torch.float16)}
+    return awq_to_quant_weight("w", parts, QuantConfig("awq", 4, group))
 
 
 def _linear(dtype: torch.dtype, weight: Any, m: int) -> None:
@@ -203,15 +215,18 @@ def cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                     yield (f"paged_attention {phase} {tag}",
                            lambda a=(dtype, cache, heads, kv_heads, head_dim, query_len): _attention(*a, False))
         kinds = ["Q4_K", "Q6_K", "Q8_0"] if quick else list(_BLOCK)
-        for m in ((1, 64) if quick else (1, 16, 64)):
+        for m in ((1, 64) if quick else (1, 16, 32, 64)):
             for kind in kinds:
                 yield f"quant_linear {str(dtype)[6:]} {kind} m={m}", \
                     lambda a=(dtype, kind, m): _linear(a[0], _gguf_weight(a[1], 2048, 2048), a[2])
             for bits in ((4,) if quick else (4, 8)):
                 yield f"quant_linear {str(dtype)[6:]} GPTQ {bits}-bit g128 m={m}", \
                     lambda a=(dtype, bits, m): _linear(a[0], _gptq_weight(a[1], 128, 2048, 2048), a[2])
+            if not quick:
+                yield f"quant_linear {str(dtype)[6:]} AWQ 4-bit g128 m={m}", \
+                    lambda a=(dtype, m): _linear(a[0], _awq_weight(128, 2048, 2048), a[1])
         for kind in (["dense", "Q4_K"] if quick else ["dense", "Q4_K", "Q6_K", "Q8_0"]):
-            for tokens in (1, 256):
+            for tokens in ((1, 256) if quick else (1, 256, 1024)):
                 yield f"fused_moe {str(dtype)[6:]} {kind} 64x top-8 tokens={tokens}", \
                     lambda a=(dtype, kind, tokens): _moe(a[0], a[1], 64, 8, 1024, 512, a[2])
 
