@@ -117,8 +117,9 @@ class OutputProcessor:
     @staticmethod
     def _output(request: Request, text: _Text) -> RequestOutput:
         finished = request.finish_reason is not None
+        # Never before ``shown``: a tail that begins a stop string now began one (or
+        # was held back) at every earlier output too.
         end = len(text.decoded) if finished else len(text.decoded) - _held_back(text.decoded, request.params.stop)
-        end = max(end, text.shown)
         delta, text.shown = text.decoded[text.shown : end], end
         return RequestOutput(
             request_id=request.request_id,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,7 @@ from ..text.tokenizer import Tokenizer
 from . import hf
 from .gguf import chat_template_from_gguf, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
-from .hf import QuantConfig, quant_config_from
+from .hf import QuantConfig, TensorHeader, quant_config_from
 from .spec import ModelSpec, RopeSpec
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class Checkpoint:
     path: Path
     spec: ModelSpec
     files: list[Path]  # HF safetensors shards (empty for GGUF)
+    headers: list[TensorHeader] = field(default_factory=list)  # the shards' tensor headers (HF)
     quant: QuantConfig | None = None  # GPTQ/AWQ layers come out as QuantWeights
     gguf: GGUFFile | None = None  # the parsed file, for .gguf checkpoints
 
@@ -91,9 +92,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if quant is not None:
         _check_group_size(spec, quant)
     files = hf.shard_files(path)
-    hf.check_headers(spec, files)
+    headers = hf.read_headers(files)
+    hf.check_headers(spec, headers)
     _merge_generation_eos(path, spec)
-    return Checkpoint(path=path, spec=spec, files=files, quant=quant)
+    return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant)
 
 
 def _check_group_size(spec: ModelSpec, quant: QuantConfig) -> None:

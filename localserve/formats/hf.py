@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,13 +174,13 @@ SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I3
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def check_headers(spec: ModelSpec, files: list[Path]) -> None:
+def check_headers(spec: ModelSpec, headers: list[TensorHeader]) -> None:
     """The config's layer count and widths against the tensors the shards hold, from
     their headers: a config that claims more than the files hold is refused before
     anything is sized by it."""
     layers: set[int] = set()
     embed: tuple[int, ...] | None = None
-    for name, shape, _ in tensor_headers(files):
+    for name, shape, _ in headers:
         if match := _LAYER_TENSOR.match(name):
             layers.add(int(match[1]))
         elif name == "model.embed_tokens.weight":
@@ -198,17 +197,23 @@ def _numbered(layers: set[int]) -> str:
     return f", numbered up to {max(layers):,}" if layers else ""
 
 
-def tensor_headers(files: list[Path]) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, safetensors dtype name) of every tensor, from the file headers
-    alone: no tensor data is read."""
+# (name, shape, safetensors dtype name) of one tensor.
+TensorHeader = tuple[str, tuple[int, ...], str]
+
+
+def read_headers(files: list[Path]) -> list[TensorHeader]:
+    """Every tensor's header, from the files' headers alone: no tensor data is read.
+    Read once when a checkpoint is opened (``Checkpoint.headers``)."""
+    headers = []
     for path in files:
         try:
             with safe_open(path, framework="numpy") as handle:
                 for name in handle.keys():
                     view = handle.get_slice(name)
-                    yield name, tuple(view.get_shape()), view.get_dtype()
+                    headers.append((name, tuple(view.get_shape()), view.get_dtype()))
         except SafetensorError as exc:
             raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc
+    return headers
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,7 +18,7 @@ from ..errors import LocalserveError
 from .architectures import ARCHITECTURES
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
 from .gguf_file import GGML_TYPES, LOADABLE_TYPES
-from .hf import SAFETENSORS_ITEM_BYTES, QuantConfig, tensor_headers
+from .hf import SAFETENSORS_ITEM_BYTES, QuantConfig
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def _file_tensors(checkpoint: Checkpoint) -> Iterator[FileTensor]:
     elif checkpoint.quant is not None:
         yield from _quantized_tensors(checkpoint, checkpoint.quant)
     else:
-        for name, shape, dtype in tensor_headers(checkpoint.files):
+        for name, shape, dtype in checkpoint.headers:
             yield name, name, shape, _safetensors_problem(dtype)
 
 
@@ -166,7 +166,7 @@ def _quantized_tensors(checkpoint: Checkpoint, quant: QuantConfig) -> Iterator[F
     """GPTQ/AWQ: each quantized layer's parts, by the format facts, as the weight they
     hold (``qweight`` gives the shape, the others are checked against it)."""
     layers: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
-    for name, shape, dtype in tensor_headers(checkpoint.files):
+    for name, shape, dtype in checkpoint.headers:
         prefix, _, part = name.rpartition(".")
         if part in quant.parts:
             layers.setdefault(prefix, {})[part] = (shape, dtype)

@@ -113,7 +113,7 @@ def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorS
             yield TensorSize(info.name, info.n_elements, gguf.tensor_nbytes(info.name), loaded)
         return
     quant = checkpoint.quant
-    for name, shape, stored in hf.tensor_headers(checkpoint.files):
+    for name, shape, stored in checkpoint.headers:
         if name == "lm_head.weight" and checkpoint.spec.tie_word_embeddings:
             continue  # the embeddings serve as the head
         if stored not in hf.SAFETENSORS_ITEM_BYTES:

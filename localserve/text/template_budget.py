@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
+from jinja2.filters import make_attrgetter
 from jinja2.utils import Namespace
 
 from ..errors import LocalserveError
@@ -271,8 +272,6 @@ def guarded_filters(filters: Mapping[str, Callable[..., Any]],
 
     def join(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> str:
         if attribute is not None:
-            from jinja2.filters import make_attrgetter
-
             value = map(make_attrgetter(eval_ctx.environment, attribute), value)
         return joined(str(d), value, "a string by join")
 
