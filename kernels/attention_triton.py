@@ -3,6 +3,11 @@
 See ``attention.py`` for the cache layout and ``AttentionMetadata``; ``attention_ref.py``
 is the definition of correct. Both kernels use only plain ``tl.load``/``tl.store``/
 ``tl.dot`` so they run on any Triton 3.x GPU backend and under ``TRITON_INTERPRET=1``.
+
+Each launch is a torch custom op (``localserve::write_kv``, ``localserve::paged_attention``)
+with a fake implementation, so the CUDA step can be traced under FakeTensorMode (shapes,
+dtypes and devices without a GPU) and captured in CUDA graphs; the checks on shapes run
+in the Python wrappers, before the op, in both modes.
 """
 
 from __future__ import annotations
@@ -134,14 +139,21 @@ def write_kv(
     slot is negative are skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
-    scales = _check_scales(k_cache, k_scale, v_scale)
+    _check_scales(k_cache, k_scale, v_scale)
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping shape {tuple(slot_mapping.shape)} != ({num_tokens},)")
     if num_tokens == 0:
         return
-    block_size = k_cache.shape[1]
+    torch.ops.localserve.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+@torch.library.custom_op("localserve::write_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _write_kv_op(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    scales = _check_scales(k_cache, k_scale, v_scale)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
@@ -157,13 +169,18 @@ def write_kv(
         *scales[0].stride()[:3],  # placeholders pass the cache's first three
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
         QMAX=_qmax(k_scale, k_cache),
         ROUND=k_cache.dtype == torch.int8,
         MIN_SCALE=MIN_KV_SCALE,
     )
+
+
+@_write_kv_op.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:  # type: ignore[no-untyped-def]
+    return None  # it only writes the cache
 
 
 # --------------------------------------------------------------------------------------
@@ -384,16 +401,27 @@ def _paged_attention(
     num_kv_heads = k_cache.shape[2]
     group = _group_size(query, k_cache)
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
-    scales = _check_scales(k_cache, k_scale, v_scale)
+    _check_scales(k_cache, k_scale, v_scale)
     if block_m < max(group, _MIN_DOT_DIM) or block_n < _MIN_DOT_DIM:
         raise ValueError(f"tiles too small: block_m={block_m}, block_n={block_n}, group={group}")
 
+    if num_tokens == 0 or meta.seq_lens.shape[0] == 0:
+        return torch.empty_like(query)
+    return torch.ops.localserve.paged_attention(query, k_cache, v_cache, k_scale, v_scale, meta.block_tables,
+                                                meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale,
+                                                block_m, block_n)
+
+
+@torch.library.custom_op("localserve::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                        block_m: int, block_n: int) -> torch.Tensor:
+    head_dim = query.shape[2]
+    group = _group_size(query, k_cache)
+    scales = _check_scales(k_cache, k_scale, v_scale)
     out = torch.empty_like(query)
-    num_seqs = meta.seq_lens.shape[0]
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    tokens_per_tile = block_m // group
-    grid = (triton.cdiv(meta.max_query_len, tokens_per_tile), num_seqs, num_kv_heads)
+    grid = (triton.cdiv(max_query_len, block_m // group), seq_lens.shape[0], k_cache.shape[2])
     _paged_attention_kernel[grid](
         query,
         k_cache,
@@ -401,16 +429,16 @@ def _paged_attention(
         scales[0],
         scales[1],
         out,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.seq_lens,
+        block_tables,
+        query_start_loc,
+        seq_lens,
         scale * _LOG2E,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
         *scales[0].stride()[:3],  # placeholders pass the cache's first three
-        *meta.block_tables.stride(),
+        *block_tables.stride(),
         QUANTIZED=k_scale is not None,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -421,6 +449,12 @@ def _paged_attention(
         num_warps=8,  # with 4, most tiles spill registers on sm_80 to sm_90 (scripts/triton_aot.py)
     )
     return out
+
+
+@_paged_attention_op.register_fake
+def _(query, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
+      max_query_len, scale, block_m, block_n) -> torch.Tensor:
+    return torch.empty_like(query)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:

@@ -35,7 +35,8 @@ act-order (``ExpertWeights.perms``) gathers the input columns through ``perms[e]
 the kernel, as the permutation differs per expert.
 
 Only plain ``tl.load``/``tl.store``/``tl.dot`` are used, so the kernel runs on any
-Triton 3.x GPU backend and under ``TRITON_INTERPRET=1``.
+Triton 3.x GPU backend and under ``TRITON_INTERPRET=1``. The launch is the torch custom
+op ``localserve::moe_gemm``, with a fake implementation (see attention_triton.py).
 """
 
 from __future__ import annotations
@@ -338,38 +339,54 @@ def _grouped_gemm(
 ) -> None:
     """``out[p] = (gate[p] *) a[p // rows_per_pair] @ W_e.T`` for every pair ``p`` of
     expert ``e``, in one launch over the blocks of ``align_by_expert``."""
-    n, k = weights.out_features, weights.in_features
+    k = weights.in_features
     if a.shape[1] != k:
         raise ValueError(f"input has {a.shape[1]} features, the experts {k} inputs")
     weight = weights.weight
     block_k = block_k or _choose_block_k(weights)
-    quantized = isinstance(weight, QuantWeight)
-    if quantized and (k % block_k or (weight.group_size % block_k and block_k % weight.group_size)):
+    if isinstance(weight, QuantWeight) and (k % block_k or (weight.group_size % block_k and block_k % weight.group_size)):
         raise ValueError(f"block_k={block_k} does not tile K={k} in groups of {weight.group_size}")
-    perms = weights.perms  # act-order: quantized experts only
-
     if isinstance(weight, QuantWeight):
-        offsets = weight.zeros if weight.zeros is not None else weight.mins
+        quant = (weight.scales, weight.zeros, weight.mins, weight.super_scales, weight.super_mins)
+        packed, group_size, groups_per_super = weight.packed, weight.group_size, weight.groups_per_super
+    else:
+        quant, packed, group_size, groups_per_super = (None,) * 5, False, 1, 1
+    torch.ops.localserve.moe_gemm(a, weight if isinstance(weight, torch.Tensor) else weight.codes, *quant,
+                                  weights.perms, pair_gates, sorted_pairs, block_experts, out, rows_per_pair,
+                                  packed, group_size, groups_per_super, block_m, block_n, block_k)
+
+
+@torch.library.custom_op("localserve::moe_gemm", mutates_args=("out",))
+def _moe_gemm_op(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                 mins: torch.Tensor | None, super_scales: torch.Tensor | None, super_mins: torch.Tensor | None,
+                 perms: torch.Tensor | None, pair_gates: torch.Tensor | None, sorted_pairs: torch.Tensor,
+                 block_experts: torch.Tensor, out: torch.Tensor, rows_per_pair: int, packed: bool, group_size: int,
+                 groups_per_super: int, block_m: int, block_n: int, block_k: int) -> None:
+    """The grouped GEMM's launch. ``weight`` is the dense ``[E, N, K]`` experts, or the
+    codes of a stacked QuantWeight whose other fields follow (``scales`` None: dense)."""
+    quantized = scales is not None
+    n, k = out.shape[1], a.shape[1]
+    if scales is not None:
+        offsets = zeros if zeros is not None else mins
         assert offsets is not None
         # Without two-level scales the super pointers are never read; pass any tensor.
-        super_scales = weight.super_scales if weight.super_scales is not None else weight.scales
-        super_mins = weight.super_mins if weight.super_mins is not None else super_scales
-        w, w_strides = weight.codes, (0, *weight.codes.stride())
-        quant_tensors = (weight.scales, offsets, super_scales, super_mins)
-        quant_strides = (*weight.scales.stride(), *offsets.stride(), *super_scales.stride(), *super_mins.stride())
-        quant_meta = dict(PACKED=weight.packed, GROUP_SIZE=weight.group_size, HAS_ZEROS=weight.zeros is not None,
-                          HAS_SUPER=weight.super_scales is not None, GROUPS_PER_SUPER=weight.groups_per_super)
+        has_super = super_scales is not None
+        super_scales = super_scales if super_scales is not None else scales
+        super_mins = super_mins if super_mins is not None else super_scales
+        w_strides = (0, *weight.stride())
+        quant_tensors = (scales, offsets, super_scales, super_mins)
+        quant_strides = (*scales.stride(), *offsets.stride(), *super_scales.stride(), *super_mins.stride())
     else:
         # Never read for dense weights: pass the weight itself and zero strides.
-        w, w_strides = weight, weight.stride()
+        has_super = False
+        w_strides = weight.stride()
         quant_tensors = (weight,) * 4
         quant_strides = (0,) * 8
-        quant_meta = dict(PACKED=False, GROUP_SIZE=1, HAS_ZEROS=True, HAS_SUPER=False, GROUPS_PER_SUPER=1)
 
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a,
-        w,
+        weight,
         *quant_tensors,
         perms if perms is not None else sorted_pairs,  # never read without HAS_PERMS
         pair_gates if pair_gates is not None else out,  # never read without MUL_GATES
@@ -389,9 +406,20 @@ def _grouped_gemm(
         HAS_PERMS=perms is not None,
         MUL_GATES=pair_gates is not None,
         EVEN_K=k % block_k == 0,
-        **quant_meta,
+        PACKED=packed,
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None if quantized else True,
+        HAS_SUPER=has_super,
+        GROUPS_PER_SUPER=groups_per_super,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=NUM_WARPS,
     )
+
+
+@_moe_gemm_op.register_fake
+def _(a, weight, scales, zeros, mins, super_scales, super_mins, perms, pair_gates,  # type: ignore[no-untyped-def]
+      sorted_pairs, block_experts, out, rows_per_pair, packed, group_size, groups_per_super, block_m, block_n,
+      block_k) -> None:
+    return None  # it only writes ``out``

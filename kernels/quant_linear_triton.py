@@ -15,7 +15,8 @@ before the launch: ``x`` is small next to the weight (a handful of rows when dec
 and a contiguous ``x`` keeps the kernel's loads plain and coalesced.
 
 Only plain ``tl.load``/``tl.store``/``tl.dot`` are used, so the kernel runs on any
-Triton 3.x GPU backend and under ``TRITON_INTERPRET=1``.
+Triton 3.x GPU backend and under ``TRITON_INTERPRET=1``. The launch is the torch custom
+op ``localserve::quant_linear``, with a fake implementation (see attention_triton.py).
 """
 
 from __future__ import annotations
@@ -253,20 +254,35 @@ def _quant_linear(
     if weight.perm is not None:
         x = x.index_select(-1, weight.perm)
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out.view(*lead, n)
+    if x2.shape[0] == 0 or n == 0:
+        return x.new_empty(*lead, n)
 
-    offsets = weight.zeros if weight.zeros is not None else weight.mins
+    out = torch.ops.localserve.quant_linear(x2, weight.codes, weight.scales, weight.zeros, weight.mins,
+                                            weight.super_scales, weight.super_mins, bias, weight.packed,
+                                            weight.group_size, weight.groups_per_super, block_m, block_n, block_k)
+    return out.view(*lead, n)
+
+
+@torch.library.custom_op("localserve::quant_linear", mutates_args=())
+def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     mins: torch.Tensor | None, super_scales: torch.Tensor | None, super_mins: torch.Tensor | None,
+                     bias: torch.Tensor | None, packed: bool, group_size: int, groups_per_super: int, block_m: int,
+                     block_n: int, block_k: int) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` for the QuantWeight of these fields."""
+    m, k = x.shape
+    n = codes.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    offsets = zeros if zeros is not None else mins
+    assert offsets is not None
     # Without two-level scales the super pointers are never read; pass any tensor.
-    super_scales = weight.super_scales if weight.super_scales is not None else weight.scales
-    super_mins = weight.super_mins if weight.super_mins is not None else super_scales
+    has_super = super_scales is not None
+    super_scales = super_scales if super_scales is not None else scales
+    super_mins = super_mins if super_mins is not None else super_scales
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
-        x2,
-        weight.codes,
-        weight.scales,
+        x,
+        codes,
+        scales,
         offsets,
         super_scales,
         super_mins,
@@ -275,23 +291,29 @@ def _quant_linear(
         m,
         n,
         k,
-        *x2.stride(),
-        *weight.codes.stride(),
-        *weight.scales.stride(),
+        *x.stride(),
+        *codes.stride(),
+        *scales.stride(),
         *offsets.stride(),
         *super_scales.stride(),
         *super_mins.stride(),
         bias.stride(0) if bias is not None else 0,
         *out.stride(),
-        PACKED=weight.packed,
-        GROUP_SIZE=weight.group_size,
-        HAS_ZEROS=weight.zeros is not None,
-        HAS_SUPER=weight.super_scales is not None,
-        GROUPS_PER_SUPER=weight.groups_per_super,
+        PACKED=packed,
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None,
+        HAS_SUPER=has_super,
+        GROUPS_PER_SUPER=groups_per_super,
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=NUM_WARPS,
     )
-    return out.view(*lead, n)
+    return out
+
+
+@_quant_linear_op.register_fake
+def _(x, codes, scales, zeros, mins, super_scales, super_mins, bias, packed,  # type: ignore[no-untyped-def]
+      group_size, groups_per_super, block_m, block_n, block_k) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])

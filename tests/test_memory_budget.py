@@ -65,7 +65,8 @@ def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict) ->
     daemon expects a load to take, and `localserve fit`'s plan when the options fix the
     pools."""
     from localserve.engine.memory import pool_sizes
-    from localserve.facts.fit import plan, weight_sizes
+    from localserve.facts.fit import plan
+    from localserve.formats.weights import weight_sizes
     from localserve.server.config import ServerConfig
     from localserve.server.footprint import needed_bytes
 

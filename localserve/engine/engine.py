@@ -13,12 +13,13 @@ from .. import models
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..formats.layout import check_tensors
+from ..formats.weights import weight_sizes
 from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
-from .memory import context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
+from .memory import check_weights_fit, context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
 from .output_processor import OutputProcessor, RequestOutput
 from .request import Request
 from .runner import ModelRunner, RunnerOutput
@@ -80,6 +81,8 @@ class Engine:
         # The kernels this engine runs, chosen once: every forward is made under it.
         self.kernels = KernelChoice(triton=not self.config.disable_triton,
                                     cpu_kernels=not self.config.disable_cpu_kernels)
+        if self.device.type == "cuda":
+            check_weights_fit(weight_sizes(checkpoint, self.dtype), self.config, spec.num_layers, self.device)
         self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context,
                                   cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
                                   exact_cpu_matmul=self.config.exact_cpu_matmul,

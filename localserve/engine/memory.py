@@ -19,6 +19,7 @@ import torch
 
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats.spec import ModelSpec
+from ..formats.weights import WeightSizes
 from .config import EngineConfig
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from .request import Request
@@ -111,6 +112,22 @@ def estimate_activation_peak(spec: ModelSpec, num_tokens: int, max_num_seqs: int
     per_token = (4 * spec.hidden_size + qkv + 3 * mlp) * item
     logits = min(max_num_seqs, num_tokens) * spec.vocab_size * 4 * 2
     return num_tokens * per_token + logits
+
+
+def check_weights_fit(weights: WeightSizes, config: EngineConfig, num_layers: int, device: torch.device) -> None:
+    """Refuse, before loading, weights the GPU cannot hold within ``gpu_memory_utilization``
+    (a CUDA out-of-memory error halfway through the load would say less)."""
+    on_gpu = weights.loaded_bytes - weights.host_expert_bytes(config.cpu_moe_layers(num_layers))
+    free, total = torch.cuda.mem_get_info(device)
+    allowed = int(total * config.gpu_memory_utilization) - (total - free)
+    if on_gpu > allowed:
+        advice = "a smaller quantization of the model"
+        if weights.expert_bytes_by_layer:
+            advice += ", or keep experts in host memory with cpu_moe (--cpu-moe)"
+        raise InsufficientMemoryError(
+            f"the weights need {on_gpu / GiB:.1f} GiB on the GPU; {max(0, allowed) / GiB:.1f} GiB of its "
+            f"{total / GiB:.1f} GiB may be used ({config.gpu_memory_utilization:.0%}, less what is in use); "
+            f"use {advice}")
 
 
 def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: float, reserve: int = 0) -> int:

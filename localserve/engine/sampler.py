@@ -50,8 +50,10 @@ def _is_greedy(params: SamplingParams) -> bool:
 
 def _flat_index(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) index pairs for scattering many rows' token lists in one op."""
-    lengths = torch.tensor([len(t) for t in token_lists], device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths)
+    lengths = [len(t) for t in token_lists]
+    # output_size known on the host, so the GPU is not asked for it (a sync).
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device),
+                                   torch.tensor(lengths, device=device), output_size=sum(lengths))
     cols = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long, device=device)
     return rows, cols
 
@@ -172,9 +174,9 @@ class Sampler:
         # top_k: keep tokens at least as large as the k-th largest (ties at the edge stay).
         top_k = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab]
         if top_k:
-            ks = torch.tensor([rows[i].params.top_k for i in top_k], device=device)
+            ks = [rows[i].params.top_k for i in top_k]
             sub = logits[top_k]
-            kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+            kth = sub.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=device).unsqueeze(1) - 1)
             logits[top_k] = sub.masked_fill(sub < kth, _NEG_INF)
 
         probs = logits.softmax(dim=-1)  # what top_p and min_p judge

@@ -11,7 +11,6 @@ the engine measures (activations, CUDA overhead) the plan estimates, and says so
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,22 +19,10 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.engine import pick_dtype
 from ..engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak, pool_sizes
-from ..formats import Checkpoint, ModelSpec, open_checkpoint
-from ..formats.weights import tensor_sizes
+from ..formats import ModelSpec, open_checkpoint
+from ..formats.weights import WeightSizes, weight_sizes
 from ..units import human_bytes
 from .checkpoint import describe_parameters
-
-
-@dataclass(slots=True, frozen=True)
-class WeightSizes:
-    parameters: int  # all of them, every expert counted
-    file_bytes: int
-    loaded_bytes: int  # as localserve holds them (see formats/weights.py: tensor_sizes)
-    expert_bytes_by_layer: dict[int, int]  # loaded bytes of each MoE layer's routed experts
-
-    def host_expert_bytes(self, layers: int) -> int:
-        """Loaded bytes of the experts that ``cpu_moe`` keeps in host memory."""
-        return sum(size for layer, size in self.expert_bytes_by_layer.items() if layer < layers)
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,24 +103,6 @@ class FitPlan:
             "cpu_blocks": self.cpu_blocks,
             "cpu_sequences": self.cpu_sequences,
         }
-
-
-# HF: model.layers.3.mlp.experts.7.down_proj / ...block_sparse_moe.experts.7.w2; GGUF: blk.3.ffn_down_exps.
-_EXPERT_TENSOR = re.compile(r"(?:model\.layers|blk)\.(\d+)\..*(?:\.experts\.|_exps\.)")
-
-
-def weight_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightSizes:
-    parameters = file_bytes = loaded_bytes = 0
-    expert_bytes: dict[int, int] = {}
-    for tensor in tensor_sizes(checkpoint, dtype):
-        parameters += tensor.parameters
-        file_bytes += tensor.file_bytes
-        loaded_bytes += tensor.loaded_bytes
-        expert = _EXPERT_TENSOR.match(tensor.name)
-        if expert:
-            layer = int(expert[1])
-            expert_bytes[layer] = expert_bytes.get(layer, 0) + tensor.loaded_bytes
-    return WeightSizes(parameters, file_bytes, loaded_bytes, expert_bytes)
 
 
 def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,

@@ -10,6 +10,7 @@ back in HF's half-split order so one rotary implementation serves every format.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,3 +131,33 @@ def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorS
         else:
             parameters = 0
         yield TensorSize(name, parameters, file_bytes, numel * item_bytes if floating else file_bytes)
+
+
+@dataclass(slots=True, frozen=True)
+class WeightSizes:
+    parameters: int  # all of them, every expert counted
+    file_bytes: int
+    loaded_bytes: int  # as localserve holds them (see tensor_sizes)
+    expert_bytes_by_layer: dict[int, int]  # loaded bytes of each MoE layer's routed experts
+
+    def host_expert_bytes(self, layers: int) -> int:
+        """Loaded bytes of the experts that ``cpu_moe`` keeps in host memory."""
+        return sum(size for layer, size in self.expert_bytes_by_layer.items() if layer < layers)
+
+
+# HF: model.layers.3.mlp.experts.7.down_proj / ...block_sparse_moe.experts.7.w2; GGUF: blk.3.ffn_down_exps.
+_EXPERT_TENSOR = re.compile(r"(?:model\.layers|blk)\.(\d+)\..*(?:\.experts\.|_exps\.)")
+
+
+def weight_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> WeightSizes:
+    parameters = file_bytes = loaded_bytes = 0
+    expert_bytes: dict[int, int] = {}
+    for tensor in tensor_sizes(checkpoint, dtype):
+        parameters += tensor.parameters
+        file_bytes += tensor.file_bytes
+        loaded_bytes += tensor.loaded_bytes
+        expert = _EXPERT_TENSOR.match(tensor.name)
+        if expert:
+            layer = int(expert[1])
+            expert_bytes[layer] = expert_bytes.get(layer, 0) + tensor.loaded_bytes
+    return WeightSizes(parameters, file_bytes, loaded_bytes, expert_bytes)

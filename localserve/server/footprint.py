@@ -11,7 +11,7 @@ from ..engine.kv_cache import kv_bytes_per_block
 from ..engine.memory import pool_sizes
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
-from ..facts.fit import weight_sizes
+from ..formats.weights import weight_sizes
 from .config import ServerConfig
 
 if TYPE_CHECKING:
