@@ -281,6 +281,28 @@ def _model_list_on_reload(config_file: Path | None) -> Callable[[], dict[str, Pa
 
 
 @main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (for a bug report).")
+@click.option("--no-bench", is_flag=True, help="Skip the GPU microbenchmarks.")
+def doctor(as_json: bool, no_bench: bool) -> None:
+    """What this machine has and whether localserve works on it: versions, CPU features,
+    each GPU's capability and free memory; every kernel against its torch reference (on a
+    GPU, compiled for it first); the demo model end to end; on a GPU, the kernels'
+    microbenchmarks against their targets. Exits 1 when a check fails."""
+    import json
+
+    from ..doctor import diagnose
+
+    report = diagnose(benchmarks=not no_bench)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        for line in report.lines():
+            click.echo(line)
+    if report.failed:
+        raise SystemExit(1)
+
+
+@main.command()
 @click.argument("model", type=ModelPath())
 @click.option("--gpu-memory", type=ByteSize(), default=None,
               help="The GPU's memory (e.g. 24GiB); default: this machine's first GPU.")

@@ -12,7 +12,7 @@ import psutil
 
 
 @cache
-def _nvml() -> Any | None:
+def nvml() -> Any | None:
     try:
         import pynvml
 
@@ -23,16 +23,16 @@ def _nvml() -> Any | None:
 
 
 def gpu_stats() -> list[dict[str, Any]]:
-    nvml = _nvml()
-    if nvml is None:
+    library = nvml()
+    if library is None:
         return []
     gpus = []
-    for index in range(nvml.nvmlDeviceGetCount()):
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        name = nvml.nvmlDeviceGetName(handle)
+    for index in range(library.nvmlDeviceGetCount()):
+        handle = library.nvmlDeviceGetHandleByIndex(index)
+        memory = library.nvmlDeviceGetMemoryInfo(handle)
+        name = library.nvmlDeviceGetName(handle)
         gpus.append({"index": index, "name": name.decode() if isinstance(name, bytes) else name,
-                     "utilization_percent": nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+                     "utilization_percent": library.nvmlDeviceGetUtilizationRates(handle).gpu,
                      "memory_used_bytes": memory.used, "memory_total_bytes": memory.total})
     return gpus
 
