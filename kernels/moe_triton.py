@@ -50,7 +50,7 @@ from .experts import ExpertMLP, ExpertWeights
 from .quant_weight import QuantWeight
 from .quant_linear_triton import _MIN_DOT_DIM, _dequantize_tile, _largest_pow2_divisor
 from .quant_linear_triton import _choose_block_k as _choose_quant_block_k
-from .quant_linear_triton import NUM_WARPS
+from .quant_linear_triton import NUM_WARPS, quant_operands
 from .quant_linear_triton import supports as _quant_supports
 
 _MAX_BLOCK_M = 64
@@ -367,12 +367,8 @@ def _moe_gemm_op(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | N
     quantized = scales is not None
     n, k = out.shape[1], a.shape[1]
     if scales is not None:
-        offsets = zeros if zeros is not None else mins
-        assert offsets is not None
-        # Without two-level scales the super pointers are never read; pass any tensor.
         has_super = super_scales is not None
-        super_scales = super_scales if super_scales is not None else scales
-        super_mins = super_mins if super_mins is not None else super_scales
+        offsets, super_scales, super_mins = quant_operands(scales, zeros, mins, super_scales, super_mins)
         w_strides = (0, *weight.stride())
         quant_tensors = (scales, offsets, super_scales, super_mins)
         quant_strides = (*scales.stride(), *offsets.stride(), *super_scales.stride(), *super_mins.stride())

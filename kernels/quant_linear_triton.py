@@ -272,12 +272,8 @@ def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = codes.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    offsets = zeros if zeros is not None else mins
-    assert offsets is not None
-    # Without two-level scales the super pointers are never read; pass any tensor.
     has_super = super_scales is not None
-    super_scales = super_scales if super_scales is not None else scales
-    super_mins = super_mins if super_mins is not None else super_scales
+    offsets, super_scales, super_mins = quant_operands(scales, zeros, mins, super_scales, super_mins)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
         x,
@@ -311,6 +307,18 @@ def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         num_warps=NUM_WARPS,
     )
     return out
+
+
+def quant_operands(scales: torch.Tensor, zeros: torch.Tensor | None, mins: torch.Tensor | None,
+                   super_scales: torch.Tensor | None, super_mins: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The offsets (zeros or mins) and the two super-scale pointers a kernel taking
+    ``_dequantize_tile``'s layout is passed: without two-level scales the super pointers
+    are never read, so any tensor stands in."""
+    offsets = zeros if zeros is not None else mins
+    assert offsets is not None
+    super_scales = super_scales if super_scales is not None else scales
+    return offsets, super_scales, super_mins if super_mins is not None else super_scales
 
 
 @_quant_linear_op.register_fake

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from .. import __version__
+from ..engine.config import EngineConfig
 from ..kernels import cpu_library
 from ..server.host import device_name, nvml
 
@@ -29,10 +29,8 @@ def host_facts() -> dict[str, str]:
         "python": sys.version.split()[0],
         "torch": f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})",
         "triton": _triton_version(),
-        "cpu": f"{device_name('cpu')}; {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()}"
-               " usable cores",
-        "cpu isa": " ".join(flag for flag in ISA_FLAGS if flag in cpu_library.cpu_flags()) or "none of " + " ".join(
-            ISA_FLAGS),
+        "cpu": f"{device_name('cpu')}; {EngineConfig().cpu_threads()} kernel threads",
+        "cpu isa": " ".join(flag for flag in ISA_FLAGS if flag in cpu_library.cpu_flags()) or "none of those used",
         "cpu kernels": cpu_library.variant() or "not built (the torch references run)",
     }
     if not torch.cuda.is_available():
