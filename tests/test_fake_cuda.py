@@ -1,7 +1,8 @@
 """The engine's CUDA path on a faked card (tests/fake_cuda): for a dense and an MoE
 model in each format, whole engine steps (prefill chunks, decode, sampling, KV writes,
 paged attention, swaps to the CPU tier) run on device ``cuda:0`` with every kernel
-dispatched to its Triton custom op; and the memory planner sizes the KV pool of
+dispatched to its Triton custom op, after the warm-up at load captured the decode CUDA
+graphs (test_cuda_graphs.py has the graphs' own tests); and the memory planner sizes the KV pool of
 real-shaped models on a 24 GiB and an 80 GiB card so that the largest step still fits.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 from localserve import Engine, EngineConfig, LocalserveError, SamplingParams
 from localserve.errors import InsufficientMemoryError
+from localserve.engine.cuda_graphs import capture_sizes
 from localserve.engine.memory import GiB
 from localserve.formats import Checkpoint
 
@@ -138,6 +140,11 @@ def test_engine_steps_on_a_fake_card(tmp_path, tiny_models, kind: str) -> None:
         assert ops["localserve::moe_gemm"] == 0
     # Nothing is computed on the host during a step: it only stages indices and reads tokens.
     assert set(gpu.mode.cpu_ops) <= HOST_STAGING, gpu.mode.cpu_ops
+    # Every decode bucket was captured at load under the capture's checks (no read back
+    # to the host, no host memory copied in), and decode steps replayed them.
+    graphs = engine.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == capture_sizes(engine.config.max_num_seqs)
+    assert sum(graphs.replays.values()) > 0
 
 
 @pytest.mark.parametrize("card,kv_cache_dtype", [(RTX_4090, "fp8"), (A100_80GB, "int8")], ids=["fp8-4090", "int8-a100"])

@@ -122,6 +122,14 @@ def mixtral_gguf(path: Path) -> Path:
     return path
 
 
+def cuda_graphs(hidden: int, per_token: int, context: int) -> int:
+    """What the decode CUDA graphs keep at the default max_num_seqs (64): the activations
+    of a 64-row forward, each bucket's bf16 output rows (1 + 2 + 4 + 8 + 16 + ... + 64 =
+    295), and the static inputs: three int64 and two int32 values per sequence, and
+    16-token block tables as wide as the context."""
+    return 64 * per_token + 295 * hidden * 2 + 64 * (3 * 8 + 2 * 4) + 4 + 64 * (context // 16) * 4
+
+
 def test_llama_8b_plan_equals_hand_computation(tmp_path: Path) -> None:
     s = LLAMA_8B
     path = llama_8b(tmp_path / "llama-3.1-8b")
@@ -140,13 +148,21 @@ def test_llama_8b_plan_equals_hand_computation(tmp_path: Path) -> None:
 
     # 24 GiB at 0.90 less weights, the activation estimate for a 2048-token step
     # (per token: 4 x hidden + q/k/v + 3 x ffn, bf16; plus 64 rows of fp32 logits and
-    # softmax) and the 512 MiB CUDA allowance; whole 16-token blocks; 512 per sequence.
+    # softmax), the decode CUDA graphs' memory and the 512 MiB CUDA allowance; whole
+    # 16-token blocks; 512 per sequence.
     usable = int(24 * GiB * 0.90)
-    activations = 2048 * (4 * hidden + hidden + 2 * kv + 3 * s["ffn"]) * 2 + 64 * s["vocab"] * 4 * 2
+    per_token = (4 * hidden + hidden + 2 * kv + 3 * s["ffn"]) * 2
+    activations = 2048 * per_token + 64 * s["vocab"] * 4 * 2 + cuda_graphs(hidden, per_token, context=8192)
     kv_budget = usable - 2 * parameters - activations - 512 * (1 << 20)
     blocks = kv_budget // (16 * 128 * 1024)
     assert (result.activation_bytes, result.kv_budget, result.kv_blocks) == (activations, kv_budget, blocks)
     assert result.max_sequences == blocks // 512 == 5 and result.fits
+
+    # Without CUDA graphs their reserve is free for the KV cache.
+    eager = plan(path, 24 * GiB, EngineConfig(max_model_len=8192, disable_cuda_graphs=True))
+    graphs = cuda_graphs(hidden, per_token, context=8192)
+    assert eager.activation_bytes == activations - graphs
+    assert eager.kv_budget == kv_budget + graphs
 
     # int8 KV: 2 x (128 codes + a 4-byte scale) per KV head per layer.
     int8 = plan(path, 24 * GiB, EngineConfig(max_model_len=8192, kv_cache_dtype="int8"))
@@ -190,7 +206,8 @@ def test_mixtral_gguf_plan_counts_every_expert(tmp_path: Path) -> None:
     assert result.weights.loaded_bytes == q4k // 256 * 148 + q6k // 256 * 290 + f32 * 2
 
     assert result.kv_bytes_per_token == 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * 2
-    activations = 2048 * (4 * hidden + hidden + 2 * kv + 3 * 2 * ffn) * 2 + 64 * s["vocab"] * 4 * 2
+    per_token = (4 * hidden + hidden + 2 * kv + 3 * 2 * ffn) * 2  # two experts' MLPs
+    activations = 2048 * per_token + 64 * s["vocab"] * 4 * 2 + cuda_graphs(hidden, per_token, context=32768)
     kv_budget = int(48 * GiB * 0.90) - result.weights.loaded_bytes - activations - 512 * (1 << 20)
     assert result.kv_budget == kv_budget
     assert result.max_sequences == kv_budget // (16 * 128 * 1024) // (32768 // 16) == 4
@@ -209,7 +226,11 @@ def test_cpu_moe_plans_experts_in_host_memory(tmp_path: Path) -> None:
         assert moved.cpu_moe_layers == layers
         assert moved.host_expert_bytes == layers * per_layer
         assert moved.gpu_weight_bytes == base.weights.loaded_bytes - layers * per_layer
-        assert moved.kv_budget == base.kv_budget + layers * per_layer
+        # Experts on the CPU run eagerly: the decode CUDA graphs' reserve (64 rows of
+        # activations, two experts' MLPs each) is the KV cache's too.
+        kv = s["kv_heads"] * s["head_dim"]
+        graphs = cuda_graphs(s["hidden"], (5 * s["hidden"] + 2 * kv + 6 * s["ffn"]) * 2, context=32768)
+        assert moved.kv_budget == base.kv_budget + layers * per_layer + graphs
     # All experts in host RAM: 1.5 GiB of weights stay on the GPU and 19.7 GiB of KV
     # cache (2 MiB blocks of 16 tokens) hold 4 full 32K contexts.
     assert moved.gpu_weight_bytes < 1.6 * GiB

@@ -106,6 +106,8 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
         option("--threads", "CPU threads for the model's kernels; default: the physical cores.", type=int),
         option("--exact-cpu-matmul/--no-exact-cpu-matmul", "Keep activations in fp32 in every CPU matmul instead "
                "of rounding them to int8 for GGUF's types as llama.cpp does (slower)."),
+        option("--disable-cuda-graphs/--no-disable-cuda-graphs", "On a GPU, run decode steps eagerly instead of "
+               "replaying the CUDA graphs captured at load."),
     ]
     for add in reversed(options):
         command = add(command)  # type: ignore[assignment]

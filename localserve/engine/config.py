@@ -41,6 +41,11 @@ class EngineConfig:
     disable_cpu_kernels: bool = field(
         default_factory=lambda: os.environ.get("LOCALSERVE_DISABLE_CPU_KERNELS") == "1")
     disable_triton: bool = field(default_factory=lambda: os.environ.get("LOCALSERVE_DISABLE_TRITON") == "1")
+    # Decode steps run eagerly instead of replaying the CUDA graphs captured at load (for
+    # debugging, or to skip the capture's seconds at start); LOCALSERVE_DISABLE_CUDA_GRAPHS=1
+    # sets the default.
+    disable_cuda_graphs: bool = field(
+        default_factory=lambda: os.environ.get("LOCALSERVE_DISABLE_CUDA_GRAPHS") == "1")
     threads: int | None = None  # CPU threads for the kernels and torch; default: the physical cores we may use
 
     def __post_init__(self) -> None:

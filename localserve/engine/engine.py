@@ -16,13 +16,14 @@ from ..formats.layout import check_tensors
 from ..formats.weights import weight_sizes
 from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
+from . import cuda_graphs
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
 from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
 from .memory import check_weights_fit, context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
 from .output_processor import OutputProcessor, RequestOutput
 from .request import Request
-from .runner import ModelRunner, RunnerOutput
+from .runner import ModelRunner, RunnerOutput, warmup_token_counts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledBatch
 from .stats import EngineStats
@@ -107,6 +108,8 @@ class Engine:
         self.transfer = KVTransfer(kv_caches, cpu_caches)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, self.kernels)
+        if self.device.type == "cuda":
+            self._warm_up()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -116,6 +119,33 @@ class Engine:
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
         self.num_finished_requests = 0
+
+    def _warm_up(self) -> None:
+        """Compile the kernels of prefill steps and capture the decode steps' CUDA graphs,
+        so the first request waits for neither."""
+        start = time.monotonic()
+        self.runner.warm_up(warmup_token_counts(min(self.config.step_tokens("cuda"), self.max_model_len)))
+        reason = cuda_graphs.why_eager(self.config, self.spec.num_layers)
+        if reason:
+            log.info("CUDA graphs are off: %s; decode steps run eagerly", reason)
+        else:
+            sizes = cuda_graphs.capture_sizes(self.config.max_num_seqs)
+            graphs = cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, sizes, self.max_model_len,
+                                              self.config.block_size, self.device,
+                                              cuda_graphs.CudaGraphCapture(self.device))
+            try:
+                with using(self.kernels), torch.inference_mode():
+                    graphs.capture()
+            except torch.OutOfMemoryError:
+                del graphs  # and the pool of those captured
+                torch.cuda.empty_cache()
+                log.warning("CUDA graphs are off: capturing them ran out of GPU memory (lower "
+                            "gpu_memory_utilization or max_num_seqs to leave them room)")
+            else:
+                self.runner.graphs = graphs
+                log.info("CUDA graphs captured for decode batches of 1 to %d sequences (%d sizes)",
+                         sizes[-1], len(sizes))
+        log.info("warm-up took %.1f s", time.monotonic() - start)
 
     def _cap_to_pool(self, wanted: int, pool_tokens: int) -> int:
         if wanted > pool_tokens:

@@ -21,11 +21,9 @@ from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats.spec import ModelSpec
 from ..formats.weights import WeightSizes
 from .config import EngineConfig
+from .cuda_graphs import capture_sizes, why_eager
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
-from .request import Request
-from .runner import prepare_inputs
-from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch
+from .runner import scratch_prefill
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +112,20 @@ def estimate_activation_peak(spec: ModelSpec, num_tokens: int, max_num_seqs: int
     return num_tokens * per_token + logits
 
 
+def cuda_graph_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context: int) -> int:
+    """GPU memory the decode CUDA graphs keep (0 when none are captured), estimated from
+    the shapes as the planner's activations are: their shared pool holds the activations
+    of the largest graph's forward, each graph keeps its output rows, and all read one set
+    of static inputs (block tables as wide as ``context``)."""
+    if why_eager(config, spec.num_layers):
+        return 0
+    sizes = capture_sizes(config.max_num_seqs)
+    rows = sizes[-1]
+    outputs = sum(sizes) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
+    static_inputs = rows * (3 * 8 + 2 * 4) + 4 + rows * -(-context // config.block_size) * 4
+    return estimate_activation_peak(spec, rows, 0, dtype) + outputs + static_inputs
+
+
 def check_weights_fit(weights: WeightSizes, config: EngineConfig, num_layers: int, device: torch.device) -> None:
     """Refuse, before loading, weights the GPU cannot hold within ``gpu_memory_utilization``
     (a CUDA out-of-memory error halfway through the load would say less)."""
@@ -147,37 +159,38 @@ def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: fl
 
 @torch.inference_mode()
 def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens: int, block_size: int,
-                            kv_dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> int:
-    """Peak CUDA memory of one forward over ``num_tokens`` (the largest step), above
-    what was allocated before it, not counting the scratch KV cache it writes."""
+                            kv_dtype: torch.dtype, device: torch.device, sample_rows: int) -> int:
+    """Peak CUDA memory of one forward over ``num_tokens`` and the logits of
+    ``sample_rows`` of them, above what was allocated before it, not counting the
+    scratch KV cache it writes."""
     num_blocks = -(-num_tokens // block_size)
     scratch = allocate_kv_tensors(spec, num_blocks, block_size, kv_dtype, device)
-    request = Request("profile", [0] * num_tokens, SamplingParams(), frozenset())
-    request.block_table = list(range(num_blocks))
-    batch = ScheduledBatch()
-    batch.add(request, num_tokens)
-    inputs = prepare_inputs(batch, block_size, device)
+    inputs = scratch_prefill(num_tokens, list(range(num_blocks)), block_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     hidden = model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
-    # Sampling reads logits for up to max_num_seqs rows at once.
-    rows = hidden[: min(max_num_seqs, num_tokens)]
-    model.compute_logits(rows).float().softmax(-1)
+    if sample_rows:
+        model.compute_logits(hidden[:sample_rows]).float().softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
-    del scratch, hidden, rows
+    del scratch, hidden
     torch.cuda.empty_cache()
     return max(0, peak)
 
 
 def measured_gpu_budget(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
                         device: torch.device, max_model_len: int) -> int:
-    """The bytes a loaded model's GPU has left for the KV pool, its largest step measured."""
+    """The bytes a loaded model's GPU has left for the KV pool, its largest step measured
+    (sampling reads logits for up to max_num_seqs rows at once), and what the decode
+    CUDA graphs will keep."""
     step_tokens = min(config.step_tokens(device.type), max_model_len)
-    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
+    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device,
+                                   sample_rows=min(config.max_num_seqs, step_tokens))
+    graphs = cuda_graph_bytes(config, spec, model.dtype, max_model_len)
     free, total = torch.cuda.mem_get_info(device)
-    budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization)
-    log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations; "
-             "%.2f GiB for the KV cache", total / GiB, (total - free) / GiB, peak / GiB, budget / GiB)
+    budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization, reserve=graphs)
+    log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations, "
+             "%.2f GiB for CUDA graphs; %.2f GiB for the KV cache", total / GiB, (total - free) / GiB, peak / GiB,
+             graphs / GiB, budget / GiB)
     return budget

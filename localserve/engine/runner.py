@@ -8,7 +8,9 @@ import torch
 
 from ..kernels import AttentionMetadata, KVCache
 from ..kernels.dispatch import KernelChoice, using
+from .cuda_graphs import DecodeGraphs
 from .request import Request
+from .sampling_params import SamplingParams
 from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
 from .scheduler import ScheduledBatch
 
@@ -33,7 +35,12 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[Request, TokenLogprobs]]  # new entries, in position order per request
 
 
-def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> ModelInputs:
+def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
+                   pad_to: int | None = None) -> ModelInputs:
+    """The batch as flat tensors on ``device``; with ``pad_to``, a decode batch (one new
+    token per sequence) grown to that many sequences by padding rows: token 0 at
+    position 0, writing no cache slot (-1), attending to one key of block 0, never
+    sampled (how a CUDA graph's bucket takes a smaller batch)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -60,6 +67,19 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
 
     max_blocks = max(len(r.block_table) for r in batch.requests)
     tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
+    query_lens = list(batch.num_new_tokens)
+    padding = 0 if pad_to is None else pad_to - len(batch.requests)
+    if padding < 0 or (padding and max(query_lens) != 1):
+        raise ValueError(f"cannot pad a batch of {len(batch.requests)} sequences (query lengths up to "
+                         f"{max(query_lens)}) to {pad_to}")
+    for _ in range(padding):
+        input_ids.append(0)
+        positions.append(0)
+        slots.append(-1)
+        query_start.append(query_start[-1] + 1)
+        seq_lens.append(1)
+        query_lens.append(1)
+        tables.append([0] * max_blocks)
 
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -69,9 +89,9 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         query_start_loc=tensor(query_start, torch.int32),
         seq_lens=tensor(seq_lens, torch.int32),
         block_tables=tensor(tables, torch.int32),
-        max_query_len=max(batch.num_new_tokens),
+        max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        query_lens_host=list(batch.num_new_tokens),
+        query_lens_host=query_lens,
         seq_lens_host=seq_lens,
     )
     return ModelInputs(
@@ -83,6 +103,24 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device)
         prompt_requests=prompt_requests,
         prompt_targets=prompt_targets,
     )
+
+
+def scratch_prefill(num_tokens: int, block_table: list[int], block_size: int, device: torch.device) -> ModelInputs:
+    """The inputs of one sequence's prefill of ``num_tokens`` tokens (all id 0) over
+    ``block_table``: a step to measure or warm up with, no request behind it."""
+    request = Request("scratch", [0] * num_tokens, SamplingParams(), frozenset())
+    request.block_table = block_table
+    batch = ScheduledBatch()
+    batch.add(request, num_tokens)
+    return prepare_inputs(batch, block_size, device)
+
+
+def warmup_token_counts(step_tokens: int) -> list[int]:
+    """Step sizes whose forwards compile the Triton kernel variants steps need: the
+    quantized GEMMs tile rows by 16, 32 or 64 as the step grows, and Triton compiles a
+    kernel apart for a row count divisible by 16; one size of each kind, and the largest
+    step. (Decode sizes are compiled by the CUDA graphs' capture.)"""
+    return sorted({count for count in (15, 16, 31, 32, 63, 64) if count < step_tokens} | {step_tokens})
 
 
 class ModelRunner:
@@ -100,6 +138,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # set once captured (on CUDA)
+
+    def warm_up(self, token_counts: list[int]) -> None:
+        """Run a one-sequence step of each size, so the kernels they need are compiled
+        before the first request. Its keys land in block 0, free at load."""
+        with using(self.kernels), torch.inference_mode():
+            for num_tokens in token_counts:
+                inputs = scratch_prefill(num_tokens, [0] * -(-num_tokens // self.block_size), self.block_size,
+                                         self.device)
+                self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run one step: the model over the batch, then one logits pass for the rows that
@@ -109,8 +157,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        inputs = prepare_inputs(batch, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        bucket = self.graphs.padded_size(batch.num_new_tokens) if self.graphs else None
+        inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=bucket)
+        if bucket is not None:
+            hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.to_sample and not inputs.prompt_requests:
             return RunnerOutput([], None, [])
         logits = self.model.compute_logits(hidden[inputs.logits_rows])

@@ -4,7 +4,7 @@ Nothing is loaded: the spec comes from config.json or the GGUF header, and each
 tensor's size from the safetensors headers or the GGUF tensor directory. The plan
 follows the engine's own rule (``engine/memory.py``'s ``pool_sizes``): unless the
 options fix it, the KV pool gets ``gpu_memory_utilization`` of the GPU less the
-weights, one step's activations and the CUDA overhead, and a sequence of ``context``
+weights, one step's activations (and the CUDA graphs') and the CUDA overhead, and a sequence of ``context``
 tokens needs whole blocks. Where
 the engine measures (activations, CUDA overhead) the plan estimates, and says so.
 """
@@ -18,7 +18,8 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.engine import pick_dtype
-from ..engine.memory import CUDA_OVERHEAD_ESTIMATE, context_limit, estimate_activation_peak, pool_sizes
+from ..engine.memory import (CUDA_OVERHEAD_ESTIMATE, context_limit, cuda_graph_bytes, estimate_activation_peak,
+                             pool_sizes)
 from ..formats import ModelSpec, open_checkpoint
 from ..formats.weights import WeightSizes, weight_sizes
 from ..units import human_bytes
@@ -36,7 +37,7 @@ class FitPlan:
     context: int  # tokens per sequence planned for
     gpu_memory: int
     usable: int  # gpu_memory x gpu_memory_utilization
-    activation_bytes: int  # estimated
+    activation_bytes: int  # estimated: the largest step's and the decode CUDA graphs'
     overhead_bytes: int  # CUDA context etc., estimated
     kv_budget: int  # bytes for the KV pool (may be negative: the weights alone do not fit)
     kv_blocks: int
@@ -118,7 +119,9 @@ def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
     kv_dtype = config.resolve_kv_cache_dtype(model_dtype)
     context = context_limit(spec, config.max_model_len)
     step_tokens = min(config.step_tokens("cuda"), context)
-    activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
+    # The largest step's activations, and what the decode CUDA graphs keep.
+    activations = (estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
+                   + cuda_graph_bytes(config, spec, model_dtype, context))
     usable = int(gpu_memory * config.gpu_memory_utilization)
     cpu_moe_layers = config.cpu_moe_layers(spec.num_layers)
     host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)

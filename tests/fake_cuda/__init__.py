@@ -13,7 +13,10 @@ GPU. Around that, ``fake_gpu`` fakes what a card answers:
   context's worth of memory in use from the start;
 - streams, which order nothing;
 - a value read back to the host (``.tolist()``, ``.item()``), which is 0 (fake tensors
-  have no values): the engine goes on with token 0 everywhere.
+  have no values): the engine goes on with token 0 everywhere;
+- CUDA graphs: ``torch.cuda.graph`` runs its block as a capture would, except that
+  what a real capture refuses fails here too (reading a value back to the host, copying
+  host memory to the device); a replay runs nothing, as a real one runs no Python.
 
 The host is real: an op on real CPU tensors only (reading a checkpoint, stacking its
 experts, staging a step's indices) computes for real; tensors become fake as they move
@@ -70,6 +73,9 @@ class FakeCudaMode(FakeTensorMode):
         self.peak = 0
         self.ops: Counter[str] = Counter()
         self.cpu_ops: Counter[str] = Counter()  # ops whose tensors are all on the CPU
+        self.capturing = False  # inside torch.cuda.graph(...)
+        # Graph memory pools: what their captures took at most, kept for their replays.
+        self.graph_pools: dict[object, int] = {}
 
     @property
     def avoid_device_init(self) -> bool:
@@ -90,6 +96,8 @@ class FakeCudaMode(FakeTensorMode):
             self.cpu_ops[func.name()] += 1
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
+        if self.capturing:
+            _check_capturable(func, args, kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             dtype = args[0].dtype
             return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
@@ -113,12 +121,48 @@ class FakeCudaMode(FakeTensorMode):
 
     @property
     def allocated(self) -> int:
+        """Bytes of the CUDA storages alive now, and of the graphs' memory pools."""
+        return self.tensor_bytes + sum(self.graph_pools.values())
+
+    @property
+    def tensor_bytes(self) -> int:
         """Bytes of the CUDA storages alive now."""
         self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
         return sum(size for _, size in self.live.values())
 
     def _fake(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if isinstance(tensor, FakeTensor) else self.from_tensor(tensor)
+
+
+class CaptureError(RuntimeError):
+    """What CUDA answers an op that cannot be captured into a graph."""
+
+
+def _check_capturable(func, args: tuple, kwargs: dict) -> None:  # type: ignore[no-untyped-def, type-arg]
+    if func is torch.ops.aten._local_scalar_dense.default:
+        raise CaptureError(f"a value read back to the host while a CUDA graph is captured ({func.name()})")
+    if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(not isinstance(t, FakeTensor) and t.device.type == "cpu" for t in tensors):
+            raise CaptureError(f"host memory copied to the device while a CUDA graph is captured ({func.name()})")
+
+
+class FakeCUDAGraph:
+    """A graph that records nothing: captured by ``torch.cuda.graph`` under the checks,
+    replayed as a no-op (counted)."""
+
+    def __init__(self) -> None:
+        self.captured = False
+        self.replays = 0
+        self.pool_id: tuple[int, int] = (0, id(self))  # its own, unless captured into another's
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise RuntimeError("replay of a CUDA graph never captured")
+        self.replays += 1
+
+    def pool(self) -> tuple[int, int]:
+        return self.pool_id
 
 
 def _host_only(args: tuple, kwargs: dict) -> bool:  # type: ignore[type-arg]
@@ -151,6 +195,29 @@ class FakeGPU:
 
     def reset_peak(self, device: Any = None) -> None:
         self.mode.peak = self.mode.allocated
+
+    @contextlib.contextmanager
+    def graph(self, cuda_graph: FakeCUDAGraph, pool: Any = None, stream: Any = None,
+              capture_error_mode: str = "global") -> Iterator[None]:
+        """``torch.cuda.graph``: the block runs under the checks; the memory it took at its
+        peak, less the tensors it leaves alive (the graph's outputs), stays in the pool."""
+        mode = self.mode
+        if mode.capturing:
+            raise CaptureError("a CUDA graph captured inside another's capture")
+        if pool is not None:
+            cuda_graph.pool_id = pool
+        key = cuda_graph.pool_id
+        start, peak_before = mode.allocated, mode.peak
+        mode.peak = start
+        mode.capturing = True
+        try:
+            yield
+        finally:
+            mode.capturing = False
+        kept = mode.peak - mode.allocated
+        mode.graph_pools[key] = max(mode.graph_pools.get(key, 0), kept)
+        mode.peak = max(peak_before, mode.peak)
+        cuda_graph.captured = True
 
 
 class _Stream:
@@ -187,6 +254,8 @@ def fake_gpu(card: Card) -> Iterator[FakeGPU]:
         Stream=_Stream,
         current_stream=lambda device=None: _Stream(device),
         stream=lambda stream: contextlib.nullcontext(),
+        CUDAGraph=FakeCUDAGraph,
+        graph=gpu.graph,
     )
     with mock.patch.multiple(torch.cuda, **answers), gpu.mode:
         yield gpu

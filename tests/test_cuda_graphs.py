@@ -1,0 +1,253 @@
+"""CUDA graphs for decode steps (engine/cuda_graphs.py).
+
+- The buckets and the padding are plain code, tested as such.
+- Graph semantics with real numbers, on the CPU: the Triton kernels run in the
+  interpreter, and a graph's replay re-runs its captured forward, which reads only the
+  static buffers and the capture-time host values, as a real replay does. Greedy tokens
+  and logprobs then equal an eager engine's over batches that grow, shrink and are
+  padded (a padding row that wrote a cache slot or read a live row would change them).
+- The capture on a faked card (tests/fake_cuda): what a real capture refuses (reading a
+  value back to the host, copying host memory in) fails there, for the engine's
+  capture at load in every format (test_fake_cuda.py), and the memory the graphs keep is
+  reserved before the KV pool is sized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from localserve import Engine, EngineConfig, SamplingParams
+from localserve.engine import cuda_graphs, runner
+from localserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, why_eager
+from localserve.engine.request import Request
+from localserve.engine.runner import prepare_inputs, warmup_token_counts
+from localserve.engine.scheduler import ScheduledBatch
+from localserve.kernels.dispatch import using
+
+from .conftest import random_prompt, triton_or_skip
+from .fake_cuda import DEVICE, RTX_4090, CaptureError, fake_gpu
+
+
+def test_capture_sizes_are_vllms_buckets_up_to_max_num_seqs() -> None:
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(1000)[-3:] == [240, 248, 256]  # larger decode batches run eagerly
+
+
+def test_a_decode_batch_takes_the_smallest_bucket_that_holds_it() -> None:
+    sizes = capture_sizes(20)
+    assert [padded_size([1] * n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20)] == [
+        1, 2, 4, 4, 8, 8, 16, 16, 20, 20]
+    assert padded_size([1] * 21, sizes) is None  # more sequences than the largest bucket
+    assert padded_size([1, 1, 7], sizes) is None  # a prefill chunk in the step
+    assert padded_size([], sizes) is None
+
+
+def test_warm_up_sizes_cover_each_tile_and_divisibility_class() -> None:
+    assert warmup_token_counts(2048) == [15, 16, 31, 32, 63, 64, 2048]
+    assert warmup_token_counts(64) == [15, 16, 31, 32, 63, 64]
+    assert warmup_token_counts(20) == [15, 16, 20]
+
+
+def _decode_request(request_id: str, num_tokens: int, blocks: list[int]) -> Request:
+    request = Request(request_id, list(range(3, 3 + num_tokens)), SamplingParams(), frozenset())
+    request.num_computed_tokens = num_tokens - 1
+    request.block_table = blocks
+    return request
+
+
+def test_padding_rows_write_no_slot_and_read_one_key() -> None:
+    batch = ScheduledBatch()
+    batch.add(_decode_request("a", 5, [7]), 1)
+    batch.add(_decode_request("b", 20, [2, 9]), 1)
+    inputs = prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=4)
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [7, 22, 0, 0]
+    assert inputs.positions.tolist() == [4, 19, 0, 0]
+    assert meta.slot_mapping.tolist() == [7 * 16 + 4, 9 * 16 + 3, -1, -1]
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.seq_lens.tolist() == [5, 20, 1, 1]
+    assert meta.block_tables.tolist() == [[7, 0], [2, 9], [0, 0], [0, 0]]
+    assert (meta.max_query_len, meta.query_lens_host, meta.seq_lens_host) == (1, [1] * 4, [5, 20, 1, 1])
+    assert inputs.logits_rows.tolist() == [0, 1]  # only the real rows are sampled
+    assert inputs.to_sample == batch.requests
+
+    unpadded = prepare_inputs(batch, block_size=16, device=torch.device("cpu"))
+    assert unpadded.input_ids.tolist() == [7, 22]
+
+    with pytest.raises(ValueError, match="cannot pad"):
+        prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=1)
+    prefill = ScheduledBatch()
+    request = _decode_request("c", 10, [1])
+    request.num_computed_tokens = 0
+    prefill.add(request, 10)
+    with pytest.raises(ValueError, match="cannot pad"):
+        prepare_inputs(prefill, block_size=16, device=torch.device("cpu"), pad_to=2)
+
+
+# -- graph semantics with real numbers, on the CPU ---------------------------------------
+
+
+class ReplayedForward:
+    """A graph without a GPU: the replay re-runs the captured forward (which reads the
+    static buffers and the host values it was captured with) into the static output."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+        self.forward, self.out = forward, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.forward())
+
+
+def replayed_capture(forward: Callable[[], torch.Tensor]) -> tuple[ReplayedForward, torch.Tensor]:
+    out = forward()
+    return ReplayedForward(forward, out), out
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel dispatches to Triton (in the interpreter) on CPU tensors."""
+    triton_or_skip()
+    from localserve.kernels import attention, moe, quant_linear
+
+    for module in (attention, moe, quant_linear):
+        monkeypatch.setattr(module, "use_triton", lambda tensor: True)
+
+
+# (prompt length, max_tokens, the step it arrives at): decode batches of 1 to 4 sequences
+# (3 padded to 4), mixed with prefills, as requests join and finish.
+ARRIVALS = [(5, 9, 0), (11, 14, 0), (17, 12, 1), (3, 10, 2), (24, 5, 16), (8, 7, 17), (6, 16, 19)]
+
+
+def run_greedy(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
+    results: dict[str, tuple[list[int], list[float]]] = {}
+    for step in range(200):
+        for i, (length, max_tokens, arrival) in enumerate(ARRIVALS):
+            if arrival == step:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
+                engine.add_request(random_prompt(length, seed=i), params, request_id=str(i))
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = (out.token_ids, [entry.logprob for entry in out.logprobs])
+        if step > ARRIVALS[-1][2] and not engine.has_unfinished_requests():
+            return results
+    raise AssertionError("the engine did not finish")
+
+
+def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = llama
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=48, max_num_batched_tokens=32)
+    eager = run_greedy(Engine(path, config, device="cpu"))
+
+    engine = Engine(path, config, device="cpu")
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, capture_sizes(4), engine.max_model_len,
+                          config.block_size, engine.device, replayed_capture)
+    with using(engine.kernels), torch.inference_mode():
+        graphs.capture()
+    engine.runner.graphs = graphs
+    padded: Counter[tuple[int, int | None]] = Counter()
+    real_prepare = runner.prepare_inputs
+
+    def spy(batch, block_size, device, pad_to=None):  # type: ignore[no-untyped-def]
+        padded[len(batch.requests), pad_to] += 1
+        return real_prepare(batch, block_size, device, pad_to)
+
+    monkeypatch.setattr(runner, "prepare_inputs", spy)
+    replayed = run_greedy(engine)
+
+    assert sorted(replayed) == sorted(eager) == [str(i) for i in range(len(ARRIVALS))]
+    for request_id, (tokens, logprobs) in eager.items():
+        assert replayed[request_id][0] == tokens, request_id
+        assert replayed[request_id][1] == pytest.approx(logprobs, abs=1e-4), request_id
+    # Every bucket replayed, a 3-sequence batch in the 4 bucket, and the prefills ran eagerly.
+    assert set(graphs.replays) == {1, 2, 4}
+    assert padded[3, 4] > 0 and padded[4, 4] > 0 and padded[1, 1] > 0
+    assert any(pad is None for _, pad in padded)
+
+
+# -- the capture on a faked card ---------------------------------------------------------
+
+
+def test_the_fake_capture_refuses_what_cuda_refuses() -> None:
+    """The checks the engine's captures pass (test_fake_cuda.py) can fail."""
+    with fake_gpu(RTX_4090):
+        x = torch.ones(4, device=DEVICE)
+        with pytest.raises(CaptureError, match="read back"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            (x * 2).sum().item()
+        with pytest.raises(CaptureError, match="host memory"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            x + torch.arange(4).to(DEVICE)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="never captured"):
+            graph.replay()
+        with torch.cuda.graph(graph):
+            y = x * 2 + 1  # device work only: captured
+        graph.replay()
+    assert graph.replays == 1 and y.shape == (4,)
+
+
+def test_capture_at_load_reserves_its_memory_and_replays(tiny_models, caplog) -> None:
+    path = tiny_models.get("qwen2_moe", torch.float16)[0]
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=64, gpu_memory_utilization=0.05)
+    with fake_gpu(RTX_4090) as gpu, caplog.at_level(logging.INFO, logger="localserve"):
+        engine = Engine(path, config, device="cuda:0")
+        graphs = engine.runner.graphs
+        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+        assert all(graph.captured for graph, _ in graphs.graphs.values())
+        (pool,) = gpu.mode.graph_pools.values()  # one pool, shared by every size
+        assert pool > 0
+        kept = (pool + sum(out.untyped_storage().nbytes() for _, out in graphs.graphs.values())
+                + sum(getattr(graphs.static, f.name).nbytes for f in dataclasses.fields(graphs.static)))
+        for i in range(3):
+            engine.add_request(list(range(3, 13 + 5 * i)), SamplingParams(max_tokens=5))
+        while engine.has_unfinished_requests():
+            engine.step()
+    with fake_gpu(RTX_4090), caplog.at_level(logging.INFO, logger="localserve"):
+        eager = Engine(path, dataclasses.replace(config, disable_cuda_graphs=True), device="cuda:0")
+    assert graphs.replays == {4: 4}  # 3 sequences prefilled in one step, then 4 decode steps
+    assert "CUDA graphs captured for decode batches of 1 to 16 sequences (5 sizes)" in caplog.text
+    assert "CUDA graphs are off: disable_cuda_graphs is set" in caplog.text
+    assert eager.runner.graphs is None
+    # What the graphs keep (their pool, outputs and static inputs) fits the reserve the
+    # KV pool left them: the eager engine's pool is larger by that reserve.
+    block_bytes = engine.runner.kv_caches[0].key[0].nbytes * 2 * engine.spec.num_layers
+    reserve = (eager.kv.device.num_blocks - engine.kv.device.num_blocks) * block_bytes
+    assert kept <= reserve + block_bytes
+    assert reserve <= 2 * kept + block_bytes
+
+
+def test_why_an_engine_runs_eagerly() -> None:
+    assert why_eager(EngineConfig(), num_layers=4) is None
+    assert why_eager(EngineConfig(disable_cuda_graphs=True), num_layers=4) == "disable_cuda_graphs is set"
+    # Experts in host memory run on the CPU, which a graph cannot capture.
+    for cpu_moe in (1, "all"):
+        assert "cpu_moe" in why_eager(EngineConfig(cpu_moe=cpu_moe), num_layers=4)
+
+
+def test_a_capture_out_of_memory_leaves_the_engine_eager(tiny_models, caplog, monkeypatch) -> None:
+    path = tiny_models.get("llama", torch.bfloat16)[0]
+    real = cuda_graphs.CudaGraphCapture.__call__
+    calls = []
+
+    def second_fails(self, forward):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(self, forward)
+
+    monkeypatch.setattr(cuda_graphs.CudaGraphCapture, "__call__", second_fails)
+    with fake_gpu(RTX_4090) as gpu, caplog.at_level(logging.INFO, logger="localserve"):
+        engine = Engine(path, EngineConfig(max_num_seqs=4, num_kv_blocks=16), device="cuda:0")
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=3))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.runner.graphs is None
+    assert "capturing them ran out of GPU memory" in caplog.text
+    assert gpu.mode.ops["localserve::paged_attention"] > 0
