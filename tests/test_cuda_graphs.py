@@ -226,6 +226,8 @@ def test_capture_at_load_reserves_its_memory_and_replays(tiny_models, caplog) ->
 def test_why_an_engine_runs_eagerly() -> None:
     assert why_eager(EngineConfig(), num_layers=4) is None
     assert why_eager(EngineConfig(disable_cuda_graphs=True), num_layers=4) == "disable_cuda_graphs is set"
+    # The torch references take the batch's lengths from host lists, which a graph freezes.
+    assert "disable_triton" in why_eager(EngineConfig(disable_triton=True), num_layers=4)
     # Experts in host memory run on the CPU, which a graph cannot capture.
     for cpu_moe in (1, "all"):
         assert "cpu_moe" in why_eager(EngineConfig(cpu_moe=cpu_moe), num_layers=4)

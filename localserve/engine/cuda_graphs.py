@@ -50,6 +50,9 @@ def why_eager(config: EngineConfig, num_layers: int) -> str | None:
     """Why a CUDA engine with these options captures no graphs, or None when it does."""
     if config.disable_cuda_graphs:
         return "disable_cuda_graphs is set"
+    if config.disable_triton:
+        # The references loop over the batch's host-side lengths, which a graph would freeze.
+        return "the torch references (disable_triton) read each step's lengths on the host"
     if config.cpu_moe_layers(num_layers):
         return "experts in host memory (cpu_moe) run on the CPU in every step"
     return None
@@ -88,7 +91,9 @@ class CudaGraphCapture:
         forward()
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the daemon's other engines go on serving from their own threads
+        # while this one captures ("global" would fail their CUDA calls meanwhile).
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         self.pool = graph.pool()
         return graph, out
