@@ -20,12 +20,17 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mappin
     kernels.write_kv(key, value, cache.key, cache.value, slot_mapping, cache.key_scale, cache.value_scale)
 
 
-def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
     cache; grouped-query attention when ``num_heads`` is a multiple of the cache's
-    ``num_kv_heads``. Returns ``[num_tokens, num_heads, head_dim]``."""
+    ``num_kv_heads``; with a sliding ``window``, a token at position p sees only the keys
+    at positions above ``p - window``. Returns ``[num_tokens, num_heads, head_dim]``."""
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must hold at least one token, not {window}")
     kernels = _kernels(query)
-    return kernels.paged_attention(query, cache.key, cache.value, meta, scale, cache.key_scale, cache.value_scale)
+    return kernels.paged_attention(query, cache.key, cache.value, meta, scale, cache.key_scale, cache.value_scale,
+                                   window)
 
 
 def _kernels(tensor: torch.Tensor) -> ModuleType:

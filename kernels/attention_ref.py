@@ -83,21 +83,24 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Prefill chunks one sequence at a time; the decode tokens together."""
+    """Prefill chunks one sequence at a time; the decode tokens together. Under a sliding
+    ``window`` the query at position p sees the keys at positions p - window < j <= p."""
     if meta.max_query_len == 1:  # decodes only (most steps): every row, in order
-        return decode_attention(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), scale, k_scale, v_scale)
+        return decode_attention(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), scale, k_scale, v_scale,
+                                window)
     out = torch.empty_like(query)
-    decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
+    decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out, window)
     if decodes:
         rows = meta.query_start_loc[torch.tensor(decodes, device=query.device)].long()
-        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale)
+        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale, window)
     return out
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                      out: torch.Tensor) -> list[int]:
+                      out: torch.Tensor, window: int | None = None) -> list[int]:
     """Writes ``out``'s rows of the sequences with more than one new token; returns the
     indices of the others (one new token each: decodes)."""
     block_size = k_cache.shape[1]
@@ -115,7 +118,10 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             q = query[row : row + query_len].transpose(0, 1).unsqueeze(0)
             # Query i is position seq_len - query_len + i and sees keys 0..that position.
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device) <= q_pos[:, None]
+            key_pos = torch.arange(seq_len, device=query.device)
+            mask = key_pos <= q_pos[:, None]
+            if window:
+                mask &= key_pos > q_pos[:, None] - window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             out[row : row + query_len] = o[0].transpose(0, 1)
         row += query_len
@@ -124,7 +130,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      decodes: list[int], scale: float, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence (``query [len(decodes), heads, dim]``):
     every sequence's blocks gathered up to the longest, padding masked."""
     index = torch.tensor(decodes, device=query.device)
@@ -133,7 +139,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     tables = meta.block_tables[index]
     k = gather_kv(k_cache, k_scale, tables, num_blocks, query.dtype)
     v = gather_kv(v_cache, v_scale, tables, num_blocks, query.dtype)
-    mask = torch.arange(k.shape[2], device=query.device) < seq_lens[:, None].long()
+    key_pos = torch.arange(k.shape[2], device=query.device)
+    mask = key_pos < seq_lens[:, None].long()
+    if window:
+        mask &= key_pos >= seq_lens[:, None].long() - window  # the token at seq_len - 1 sees `window` keys
     # Slots past a sequence's length may never have been written (a float cache in host
     # memory is allocated uninitialized, see KVCache.allocate), and the mask alone does not
     # stop a NaN there: it poisons the scores (NaN + -inf) and P @ V (0 * NaN). Zero them

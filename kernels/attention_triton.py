@@ -188,7 +188,7 @@ def _(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> None:  # 
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # one program for every window size
 def _paged_attention_kernel(
     query_ptr,
     k_cache_ptr,
@@ -200,6 +200,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    window,  # sliding window in tokens; 0: none
     stride_qt,
     stride_qh,
     stride_qd,
@@ -267,12 +268,16 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
 
-    # Keys past the last token of this tile are causally invisible to every row.
+    # Keys past the last token of this tile are causally invisible to every row, and
+    # under a sliding window so are those before the first row's window.
     last_token = tl.minimum(first_token + TOKENS_PER_TILE, query_len) - 1
     kv_end = context_len + last_token + 1
+    kv_begin = 0
+    if window > 0:
+        kv_begin = tl.maximum(context_len + first_token - window + 1, 0)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_btb
     cols = tl.arange(0, BLOCK_N)
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_begin, kv_end, BLOCK_N):
         kv_pos = kv_start + cols
         kv_valid = kv_pos < kv_end
         # Look the block up per key, so BLOCK_N need not equal the cache block size;
@@ -301,6 +306,8 @@ def _paged_attention_kernel(
         # (~1e-3 error); fp16/bf16 use tensor cores either way.
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if window > 0:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -367,13 +374,16 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
     cache (8-bit when scales are given), for a flat batch of prefill chunks and decode
-    tokens. Returns a tensor of the query's shape and dtype."""
+    tokens; a token at position p sees only keys above ``p - window`` when a sliding
+    window is given. Returns a tensor of the query's shape and dtype."""
     block_m, block_n = _choose_tiles(meta.max_query_len, _group_size(query, k_cache), query.shape[2],
                                      quantized=k_scale is not None)
-    return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, block_m=block_m, block_n=block_n)
+    return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, block_m=block_m,
+                            block_n=block_n)
 
 
 def _group_size(query: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -391,6 +401,7 @@ def _paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
     *,
     block_m: int,
     block_n: int,
@@ -409,14 +420,14 @@ def _paged_attention(
         return torch.empty_like(query)
     return torch.ops.localserve.paged_attention(query, k_cache, v_cache, k_scale, v_scale, meta.block_tables,
                                                 meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale,
-                                                block_m, block_n)
+                                                window or 0, block_m, block_n)
 
 
 @torch.library.custom_op("localserve::paged_attention", mutates_args=())
 def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                        block_m: int, block_n: int) -> torch.Tensor:
+                        window: int, block_m: int, block_n: int) -> torch.Tensor:
     head_dim = query.shape[2]
     group = _group_size(query, k_cache)
     scales = _check_scales(k_cache, k_scale, v_scale)
@@ -433,6 +444,7 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         query_start_loc,
         seq_lens,
         scale * _LOG2E,
+        window,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),
@@ -453,7 +465,7 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 @_paged_attention_op.register_fake
 def _(query, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
-      max_query_len, scale, block_m, block_n) -> torch.Tensor:
+      max_query_len, scale, window, block_m, block_n) -> torch.Tensor:
     return torch.empty_like(query)
 
 

@@ -28,7 +28,7 @@ Slot = tuple[Linear, int, bool] | tuple[Experts, tuple[str, int | None], bool] |
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -39,6 +39,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        self.window = spec.window_of(index)
 
     def forward(
         self,
@@ -59,7 +60,7 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
             q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
         write_kv(k, v, cache, meta.slot_mapping)
-        out = paged_attention(q, cache, meta, self.scale)
+        out = paged_attention(q, cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -67,7 +68,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.attn = Attention(spec, rotary)
+        self.attn = Attention(spec, rotary, index)
         self.post_attention_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp: MLP | SparseMoE = (SparseMoE(spec) if spec.is_moe_layer(index)
                                      else MLP(spec.hidden_size, spec.intermediate_size))

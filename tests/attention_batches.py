@@ -129,7 +129,7 @@ class Batch:
     def write_with_reference(self) -> None:
         attention_ref.write_kv(self.key, self.value, self.k_cache, self.v_cache, self.meta.slot_mapping, *self.scales)
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, window: int | None = None) -> torch.Tensor:
         # Expected values from clean caches, independent of how the reference itself
         # keeps gathered unowned slots out (test_attention_ref checks that); the NaNs
         # are for the kernel under test.
@@ -139,7 +139,7 @@ class Batch:
             return t.float().nan_to_num(0.0).to(t.dtype)
 
         return attention_ref.paged_attention(self.query, clean(self.k_cache), clean(self.v_cache), self.meta,
-                                             self.scale, clean(self.k_scale), clean(self.v_scale))
+                                             self.scale, clean(self.k_scale), clean(self.v_scale), window)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

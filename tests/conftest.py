@@ -52,6 +52,11 @@ def _configs() -> dict[str, Callable[[], object]]:
         ),
         "llama-tied": lambda: LlamaConfig(**_BASE, tie_word_embeddings=True),
         "mistral": lambda: MistralConfig(**_BASE, sliding_window=None),
+        # Sliding windows much shorter than the prompts: every layer (Mistral-7B-v0.1), and
+        # Qwen2's use_sliding_window, where the first max_window_layers attend fully.
+        "mistral-swa": lambda: MistralConfig(**_BASE, sliding_window=12),
+        "qwen2-swa": lambda: Qwen2Config(**_BASE, tie_word_embeddings=False, use_sliding_window=True,
+                                         sliding_window=12, max_window_layers=1),
         "qwen2": lambda: Qwen2Config(**_BASE, tie_word_embeddings=False),
         "qwen2-yarn": lambda: Qwen2Config(
             **_BASE, tie_word_embeddings=False,

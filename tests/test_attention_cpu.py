@@ -32,6 +32,19 @@ def test_equals_reference(shape: list[tuple[int, int]], num_heads: int, num_kv_h
     assert_close(ours, expected)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("shape", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_sliding_window_equals_reference(shape: list[tuple[int, int]], window: int) -> None:
+    """Windows shorter than a block, of one block, across blocks, and longer than some
+    sequences; the keys before each window hold real values the kernel must skip."""
+    batch = Batch(shape, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    batch.write_with_reference()
+    ours = attention_cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                         window=window)
+    assert_close(ours, batch.reference(window))
+    assert not torch.allclose(ours, batch.reference())  # the window mattered
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_8bit_caches_take_the_reference(cache_dtype: torch.dtype) -> None:
     batch = Batch(MIXED, num_heads=8, num_kv_heads=2, head_dim=64, cache_dtype=cache_dtype)

@@ -17,25 +17,31 @@ from .attention_batches import MIXED, Batch, assert_close
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [q_len, H, D] are the last q_len positions of k/v [seq_len, KV, D]."""
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q [q_len, H, D] are the last q_len positions of k/v [seq_len, KV, D]; under a
+    sliding window, the query at position p sees keys p - window + 1 .. p."""
     q_len, heads = q.shape[0], q.shape[1]
     seq_len, kv_heads = k.shape[0], k.shape[1]
     out = torch.empty_like(q)
     for h in range(heads):
         kh, vh = k[:, h // (heads // kv_heads)], v[:, h // (heads // kv_heads)]
         for i in range(q_len):
-            visible = seq_len - q_len + i + 1
-            scores = (kh[:visible] @ q[i, h]) * scale
-            out[i, h] = torch.softmax(scores, dim=0) @ vh[:visible]
+            end = seq_len - q_len + i + 1
+            start = max(0, end - window) if window else 0
+            scores = (kh[start:end] @ q[i, h]) * scale
+            out[i, h] = torch.softmax(scores, dim=0) @ vh[start:end]
     return out
 
 
+@pytest.mark.parametrize("window", [None, 5, 1])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, *EIGHT_BIT])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.dtype) -> None:
+def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.dtype, window: int | None) -> None:
     """An 8-bit cache must equal naive attention over the keys and values as quantized
-    and dequantized one token at a time."""
+    and dequantized one token at a time; a sliding window (5 tokens over 4-token blocks,
+    and 1: each token sees only itself) crosses block boundaries in prefill and decode
+    rows. fp32 runs the C++ kernel, 8-bit caches the reference."""
     torch.manual_seed(0)
     dim, block_size, num_blocks = 16, 4, 64
     # (cached context, new tokens): fresh prefill, chunk after context, decodes.
@@ -77,8 +83,8 @@ def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.
         seq_lens_host=seq_lens,
     )
     scale = dim**-0.5
-    out = paged_attention(torch.cat(queries), cache, meta, scale)
-    expected = torch.cat([naive_attention(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v)])
+    out = paged_attention(torch.cat(queries), cache, meta, scale, window)
+    expected = torch.cat([naive_attention(q, k, v, scale, window) for q, k, v in zip(queries, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -134,6 +134,23 @@ def test_paged_attention_mixed_batch(
     assert_close(out, batch.reference())
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("shape", [MIXED, [(1, 1), (1, 17), (1, 64), (1, 200)]], ids=["mixed", "decodes"])
+def test_paged_attention_sliding_window(shape: list[tuple[int, int]], window: int) -> None:
+    """Windows shorter than a key tile, of one cache block, across tiles, and longer than
+    some sequences, in prefill tiles and decode rows; with 16x16 tiles too."""
+    batch = Batch(shape, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    batch.write_with_reference()
+    expected = batch.reference(window)
+    out = attention_triton.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                           window=window)
+    assert_close(out, expected)
+    small = attention_triton._paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                              window=window, block_m=16, block_n=16)
+    assert_close(small, expected)
+    assert not torch.allclose(out, batch.reference())  # the window mattered
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_paged_attention_small_tiles(block_size: int) -> None:
     """16x16 tiles: many query tiles per prefill and many key tiles per sequence, with

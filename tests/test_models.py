@@ -10,7 +10,7 @@ from localserve.engine.request import Request
 from localserve.engine.runner import prepare_inputs
 from localserve.engine.scheduler import ScheduledBatch
 
-from .conftest import MODEL_KINDS, hf_logits, random_prompt, relative_error
+from .conftest import MODEL_KINDS, hf_greedy, hf_logits, random_prompt, relative_error
 
 TOLERANCE = 1e-4
 
@@ -54,9 +54,10 @@ def test_logits_match_transformers(tiny_models, kind: str) -> None:
         assert error <= TOLERANCE, f"{kind}: relative max error {error:.2e} for length {len(prompt)}"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral-swa", "qwen2-swa"])
 def test_chunked_prefill_logits_match(tiny_models, kind: str) -> None:
-    """Prefill in chunks (cached context + new chunk, crossing block boundaries)."""
+    """Prefill in chunks (cached context + new chunk, crossing block boundaries; for the
+    sliding-window kinds, chunks starting far past the window of 12)."""
     path, hf = tiny_models.get(kind)
     engine = Engine(path, EngineConfig(num_kv_blocks=64), device="cpu", dtype=torch.float32)
     prompts = [random_prompt(90, seed=1), random_prompt(45, seed=2)]
@@ -73,3 +74,22 @@ def test_half_precision_and_sharded_checkpoints(tiny_models, save_dtype, shard_s
     engine = Engine(path, EngineConfig(num_kv_blocks=16), device="cpu", dtype=torch.float32)
     prompt = random_prompt(40, seed=3)
     assert relative_error(all_logits(engine, [prompt])[0], hf_logits(hf, prompt)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["mistral-swa", "qwen2-swa"])
+def test_sliding_window_greedy_matches_transformers(tiny_models, kind: str) -> None:
+    """A batch of prompts shorter and longer than the window of 12, prefilled in 16-token
+    chunks beside running decodes, generates what transformers does: the context is the
+    model's own, not capped at the window."""
+    path, hf = tiny_models.get(kind)
+    engine = Engine(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16), device="cpu",
+                    dtype=torch.float32)
+    assert engine.max_model_len == 1024
+    prompts = [random_prompt(n, seed=n) for n in (5, 20, 41)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), str(i))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+    for i, prompt in enumerate(prompts):
+        assert outputs[str(i)] == hf_greedy(hf, prompt, 10), f"{kind}: prompt of {len(prompt)} tokens"

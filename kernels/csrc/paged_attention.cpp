@@ -17,7 +17,8 @@
 extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim,
                                    const float* k_cache, const float* v_cache, int64_t block_size, int64_t kv_heads,
                                    const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
-                                   const int32_t* seq_lens, int64_t batch, float scale, float* out) {
+                                   const int32_t* seq_lens, int64_t batch, float scale, int64_t window,
+                                   float* out) {
   const int64_t group = heads / kv_heads, token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   // Every row's (sequence, position), so the work splits evenly over rows, not sequences.
   std::vector<int64_t> row_seq(tokens), row_pos(tokens);
@@ -33,12 +34,16 @@ extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t h
     std::vector<float> scores, acc(group * dim);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < tokens * kv_heads; ++item) {
-      const int64_t row = item / kv_heads, kvh = item % kv_heads, b = row_seq[row], len = row_pos[row] + 1;
+      const int64_t row = item / kv_heads, kvh = item % kv_heads, b = row_seq[row];
+      // Keys first..position: all of them, or the last `window` under a sliding window.
+      const int64_t first = window > 0 ? std::max<int64_t>(0, row_pos[row] + 1 - window) : 0;
+      const int64_t len = row_pos[row] + 1 - first;
       const int32_t* table = block_tables + b * max_blocks;
       const float* qg = query + (row * heads + kvh * group) * dim;  // this KV head's query heads
       scores.assign(group * len, 0.0f);
       for (int64_t t = 0; t < len; ++t) {
-        const float* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * dim;
+        const int64_t pos = first + t;
+        const float* k = k_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kvh * dim;
         for (int64_t g = 0; g < group; ++g) {
           const float* qh = qg + g * dim;
           float dot = 0.0f;
@@ -57,7 +62,8 @@ extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t h
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = 0; t < len; ++t) {
-        const float* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * dim;
+        const int64_t pos = first + t;
+        const float* v = v_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kvh * dim;
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* a = acc.data() + g * dim;

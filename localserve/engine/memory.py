@@ -85,10 +85,6 @@ def most_pool_tokens(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtyp
 def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:
     """The longest context asked for (``max_model_len``) or the model's own."""
     limit = spec.max_position_embeddings
-    if spec.sliding_window:
-        # Attention here is full, not windowed: past the window it would differ from
-        # the model's own, so the context stops there.
-        limit = min(limit, spec.sliding_window)
     wanted = max_model_len or limit
     if wanted > limit:
         raise LocalserveError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens")

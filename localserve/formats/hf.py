@@ -62,6 +62,7 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
             attention_bias=arch.attention_bias or bool(config.get("attention_bias", False)),
             qk_norm=arch.qk_norm,
             sliding_window=_sliding_window(arch, config),
+            full_attention_layers=_full_attention_layers(arch, config),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
             torch_dtype=config.get("dtype") or config.get("torch_dtype"),
@@ -106,6 +107,17 @@ def _sliding_window(arch: Architecture, config: dict[str, Any]) -> int | None:
         return None
     window = config.get("sliding_window")
     return int(window) if window else None
+
+
+def _full_attention_layers(arch: Architecture, config: dict[str, Any]) -> tuple[int, ...]:
+    """The layers that ignore the sliding window: as ``layer_types`` lists them, else for
+    Qwen2's family the first ``max_window_layers`` (transformers' rule); none for Mistral."""
+    num_layers = int(config["num_hidden_layers"])
+    if config.get("layer_types"):
+        return tuple(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
+    if arch.sliding_window_needs_flag:
+        return tuple(range(min(int(config.get("max_window_layers", num_layers)), num_layers)))
+    return ()
 
 
 def _rope_from_config(config: dict[str, Any]) -> RopeSpec:

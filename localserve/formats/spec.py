@@ -56,7 +56,8 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projection biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # tokens a sliding-window layer attends back over (itself included)
+    full_attention_layers: tuple[int, ...] = ()  # with a sliding window: the layers that attend to everything
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None  # the checkpoint's own dtype name, e.g. "bfloat16"
@@ -68,6 +69,10 @@ class ModelSpec:
     norm_topk_prob: bool = True  # rescale the chosen experts' gates to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window layer ``layer`` attends within, or None for full attention."""
+        return None if layer in self.full_attention_layers else self.sliding_window
 
     def check(self, names: Mapping[str, str]) -> str | None:
         """What is wrong with the declared sizes, or None; ``names`` says what the file
