@@ -111,6 +111,12 @@ class StaticInputs:
     seq_lens: torch.Tensor  # [rows] int32
     block_tables: torch.Tensor  # [rows, max_blocks_per_seq] int32
 
+    @staticmethod
+    def nbytes(rows: int, max_blocks_per_seq: int) -> int:
+        """What ``allocate`` takes: three int64 and two int32 values per row, one more
+        offset, and the block tables."""
+        return rows * (3 * 8 + 2 * 4) + 4 + rows * max_blocks_per_seq * 4
+
     @classmethod
     def allocate(cls, rows: int, max_blocks_per_seq: int, device: torch.device) -> StaticInputs:
         # Filled as padding: every row one token at position 0 writing no slot, reading

@@ -21,7 +21,7 @@ from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats.spec import ModelSpec
 from ..formats.weights import WeightSizes
 from .config import EngineConfig
-from .cuda_graphs import capture_sizes, why_eager
+from .cuda_graphs import StaticInputs, capture_sizes, why_eager
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from .runner import scratch_prefill
 
@@ -118,7 +118,7 @@ def cuda_graph_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, 
     sizes = capture_sizes(config.max_num_seqs)
     rows = sizes[-1]
     outputs = sum(sizes) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
-    static_inputs = rows * (3 * 8 + 2 * 4) + 4 + rows * -(-context // config.block_size) * 4
+    static_inputs = StaticInputs.nbytes(rows, -(-context // config.block_size))
     return estimate_activation_peak(spec, rows, 0, dtype) + outputs + static_inputs
 
 
@@ -155,10 +155,9 @@ def kv_budget_bytes(total: int, free: int, activation_peak: int, utilization: fl
 
 @torch.inference_mode()
 def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens: int, block_size: int,
-                            kv_dtype: torch.dtype, device: torch.device, sample_rows: int) -> int:
-    """Peak CUDA memory of one forward over ``num_tokens`` and the logits of
-    ``sample_rows`` of them, above what was allocated before it, not counting the
-    scratch KV cache it writes."""
+                            kv_dtype: torch.dtype, device: torch.device, max_num_seqs: int) -> int:
+    """Peak CUDA memory of one forward over ``num_tokens`` (the largest step), above
+    what was allocated before it, not counting the scratch KV cache it writes."""
     num_blocks = -(-num_tokens // block_size)
     scratch = allocate_kv_tensors(spec, num_blocks, block_size, kv_dtype, device)
     inputs = scratch_prefill(num_tokens, list(range(num_blocks)), block_size, device)
@@ -166,8 +165,8 @@ def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens:
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     hidden = model(inputs.input_ids, inputs.positions, scratch, inputs.meta)
-    if sample_rows:
-        model.compute_logits(hidden[:sample_rows]).float().softmax(-1)
+    # Sampling reads logits for up to max_num_seqs rows at once.
+    model.compute_logits(hidden[: min(max_num_seqs, num_tokens)]).float().softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del scratch, hidden
@@ -177,12 +176,10 @@ def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens:
 
 def measured_gpu_budget(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
                         device: torch.device, max_model_len: int) -> int:
-    """The bytes a loaded model's GPU has left for the KV pool, its largest step measured
-    (sampling reads logits for up to max_num_seqs rows at once), and what the decode
-    CUDA graphs will keep."""
+    """The bytes a loaded model's GPU has left for the KV pool, its largest step measured,
+    less what the decode CUDA graphs will keep."""
     step_tokens = min(config.step_tokens(device.type), max_model_len)
-    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device,
-                                   sample_rows=min(config.max_num_seqs, step_tokens))
+    peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
     graphs = cuda_graph_bytes(config, spec, model.dtype, max_model_len)
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization, reserve=graphs)

@@ -111,7 +111,10 @@ def _sliding_window(arch: Architecture, config: dict[str, Any]) -> int | None:
 
 def _full_attention_layers(arch: Architecture, config: dict[str, Any]) -> tuple[int, ...]:
     """The layers that ignore the sliding window: as ``layer_types`` lists them, else for
-    Qwen2's family the first ``max_window_layers`` (transformers' rule); none for Mistral."""
+    Qwen2's family the first ``max_window_layers`` (transformers' rule); none for Mistral,
+    and none to name when the model has no window."""
+    if _sliding_window(arch, config) is None:
+        return ()
     num_layers = int(config["num_hidden_layers"])
     if config.get("layer_types"):
         return tuple(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
