@@ -4,8 +4,9 @@
 - Graph semantics with real numbers, on the CPU: the Triton kernels run in the
   interpreter, and a graph's replay re-runs its captured forward, which reads only the
   static buffers and the capture-time host values, as a real replay does. Greedy tokens
-  and logprobs then equal an eager engine's over batches that grow, shrink and are
-  padded (a padding row that wrote a cache slot or read a live row would change them).
+  and logprobs then equal an eager engine's (whose tokens equal transformers') over
+  batches that grow, shrink and are padded (a padding row that wrote a cache slot or
+  read a live row would change them).
 - The capture on a faked card (tests/fake_cuda): what a real capture refuses (reading a
   value back to the host, copying host memory in) fails there, for the engine's
   capture at load in every format (test_fake_cuda.py), and the memory the graphs keep is
@@ -30,7 +31,7 @@ from localserve.engine.runner import prepare_inputs, warmup_token_counts
 from localserve.engine.scheduler import ScheduledBatch
 from localserve.kernels.dispatch import using
 
-from .conftest import random_prompt, triton_or_skip
+from .conftest import hf_greedy, random_prompt, triton_or_skip
 from .fake_cuda import DEVICE, RTX_4090, CaptureError, fake_gpu
 
 
@@ -143,7 +144,7 @@ def run_greedy(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, _ = llama
+    path, hf = llama
     config = EngineConfig(max_num_seqs=4, num_kv_blocks=48, max_num_batched_tokens=32)
     eager = run_greedy(Engine(path, config, device="cpu"))
 
@@ -165,6 +166,8 @@ def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypat
 
     assert sorted(replayed) == sorted(eager) == [str(i) for i in range(len(ARRIVALS))]
     for request_id, (tokens, logprobs) in eager.items():
+        length, max_tokens, _ = ARRIVALS[int(request_id)]
+        assert tokens == hf_greedy(hf, random_prompt(length, seed=int(request_id)), max_tokens), request_id
         assert replayed[request_id][0] == tokens, request_id
         assert replayed[request_id][1] == pytest.approx(logprobs, abs=1e-4), request_id
     # Every bucket replayed, a 3-sequence batch in the 4 bucket, and the prefills ran eagerly.

@@ -145,6 +145,8 @@ HF_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("gptq 3 bits", {"config": _gptq(32, bits=3)}, "3 bits is not supported"),
     ("unknown quantization", {"config": {"quantization_config": {"quant_method": "bnb"}}}, "not supported"),
     ("model_type unknown", {"config": {"model_type": "gpt2"}}, "model_type 'gpt2' is not supported"),
+    ("sliding window negative", {"config": {"sliding_window": -4}}, "sliding_window -4 is outside"),
+    ("sliding window 2**70", {"config": {"sliding_window": 1 << 70}}, "sliding_window 1,180,591,620,717,411,303,424"),
 ]
 
 # Runs in the child: read each checkpoint as pull and show do, one JSON line per case.

@@ -85,6 +85,8 @@ class ModelSpec:
             low = 1 if name in _POSITIVE else 0
             if not low <= getattr(self, name) <= ceiling:
                 return f"{said(name)} is outside {low}..{ceiling:,}"
+        if self.sliding_window is not None and not 1 <= self.sliding_window <= _CEILINGS["max_position_embeddings"]:
+            return f"{said('sliding_window')} is outside 1..{_CEILINGS['max_position_embeddings']:,}"
         if self.num_heads % self.num_kv_heads:
             return f"{said('num_heads')} is not a multiple of {said('num_kv_heads')}"
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
