@@ -21,16 +21,26 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, cache: KVCache, slot_mappin
 
 
 def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
     cache; grouped-query attention when ``num_heads`` is a multiple of the cache's
-    ``num_kv_heads``; with a sliding ``window``, a token at position p sees only the keys
-    at positions above ``p - window``. Returns ``[num_tokens, num_heads, head_dim]``."""
+    ``num_kv_heads``. Returns ``[num_tokens, num_heads, head_dim]``. The variants:
+
+    - ``scale``: multiplies q.k (1/sqrt(head_dim) for most models, not all);
+    - ``window``: a token at position p sees only the keys at positions above ``p - window``;
+    - ``softcap`` > 0: each scaled score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2);
+    - ``sinks``: one fp32 logit per query head that joins each row's softmax without a
+      value, so a row may give little weight to every key (GPT-OSS)."""
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must hold at least one token, not {window}")
+    if softcap < 0:
+        raise ValueError(f"a soft cap must be positive (or 0 for none), not {softcap}")
+    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be float32 [{query.shape[1]}], not {sinks.dtype} {list(sinks.shape)}")
     kernels = _kernels(query)
     return kernels.paged_attention(query, cache.key, cache.value, meta, scale, cache.key_scale, cache.value_scale,
-                                   window)
+                                   window, softcap, sinks)
 
 
 def _kernels(tensor: torch.Tensor) -> ModuleType:

@@ -17,9 +17,11 @@ __all__ = ["paged_attention", "write_kv"]
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, window: int | None = None, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     if k_scale is not None or not query.dtype == k_cache.dtype == torch.float32:
-        return attention_ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
+        return attention_ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap,
+                                             sinks)
     lib = cpu_library.library()
     assert lib is not None
     query = query.contiguous()
@@ -29,9 +31,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens = meta.seq_lens.contiguous()
     _check(meta, tokens, num_blocks, block_size, tables.shape[1])
     out = torch.empty_like(query)
+    sinks = sinks.contiguous() if sinks is not None else None
     lib.ls_paged_attention(query.data_ptr(), tokens, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
                            kv_heads, tables.data_ptr(), tables.shape[1], query_start.data_ptr(), seq_lens.data_ptr(),
-                           meta.num_seqs, scale, window or 0, out.data_ptr())
+                           meta.num_seqs, scale, window or 0, softcap, sinks.data_ptr() if sinks is not None else None,
+                           out.data_ptr())
     return out
 
 

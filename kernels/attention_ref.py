@@ -12,6 +12,8 @@ magnitude. Attention dequantizes to the query dtype before its matmuls.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -84,27 +86,62 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill chunks one sequence at a time; the decode tokens together. Under a sliding
-    ``window`` the query at position p sees the keys at positions p - window < j <= p."""
+    ``window`` the query at position p sees the keys at positions p - window < j <= p.
+    ``softcap`` > 0 squashes each scaled score s to ``softcap * tanh(s / softcap)``
+    (Gemma 2); ``sinks`` (one logit per query head, GPT-OSS) join every row's softmax
+    as a column that takes weight but has no value."""
+    variant = Variant(scale, window, softcap, sinks)
     if meta.max_query_len == 1:  # decodes only (most steps): every row, in order
-        return decode_attention(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), scale, k_scale, v_scale,
-                                window)
+        return decode_attention(query, k_cache, v_cache, meta, list(range(meta.num_seqs)), variant, k_scale, v_scale)
     out = torch.empty_like(query)
-    decodes = prefill_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, out, window)
+    decodes = prefill_attention(query, k_cache, v_cache, meta, variant, k_scale, v_scale, out)
     if decodes:
         rows = meta.query_start_loc[torch.tensor(decodes, device=query.device)].long()
-        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale, window)
+        out[rows] = decode_attention(query[rows], k_cache, v_cache, meta, decodes, variant, k_scale, v_scale)
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """How a layer's attention scores its keys (see ``paged_attention``)."""
+
+    scale: float
+    window: int | None = None
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``q [B, H, Lq, D]`` over ``k``/``v [B, KV, Lk, D]`` where ``mask`` (broadcast to
+        ``[B, H, Lq, Lk]``) allows. Plain softmax attention goes through SDPA; soft-capped
+        or sink scores are written out, in fp32."""
+        gqa = q.shape[1] != k.shape[1]
+        if not self.softcap and self.sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        if gqa:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scores = q.float() @ k.float().transpose(-1, -2) * self.scale
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+            weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        return (weights @ v.float()).to(q.dtype)
+
+
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                      out: torch.Tensor, window: int | None = None) -> list[int]:
+                      variant: Variant, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                      out: torch.Tensor) -> list[int]:
     """Writes ``out``'s rows of the sequences with more than one new token; returns the
     indices of the others (one new token each: decodes)."""
     block_size = k_cache.shape[1]
-    gqa = query.shape[1] != k_cache.shape[2]
     decodes: list[int] = []
     row = 0
     for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
@@ -120,17 +157,17 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
             key_pos = torch.arange(seq_len, device=query.device)
             mask = key_pos <= q_pos[:, None]
-            if window:
-                mask &= key_pos > q_pos[:, None] - window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            if variant.window:
+                mask &= key_pos > q_pos[:, None] - variant.window
+            o = variant.attend(q, k, v, mask)
             out[row : row + query_len] = o[0].transpose(0, 1)
         row += query_len
     return decodes
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     decodes: list[int], scale: float, k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     decodes: list[int], variant: Variant, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence (``query [len(decodes), heads, dim]``):
     every sequence's blocks gathered up to the longest, padding masked."""
     index = torch.tensor(decodes, device=query.device)
@@ -141,8 +178,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     v = gather_kv(v_cache, v_scale, tables, num_blocks, query.dtype)
     key_pos = torch.arange(k.shape[2], device=query.device)
     mask = key_pos < seq_lens[:, None].long()
-    if window:
-        mask &= key_pos >= seq_lens[:, None].long() - window  # the token at seq_len - 1 sees `window` keys
+    if variant.window:
+        mask &= key_pos >= seq_lens[:, None].long() - variant.window  # the token at seq_len - 1 sees `window` keys
     # Slots past a sequence's length may never have been written (a float cache in host
     # memory is allocated uninitialized, see KVCache.allocate), and the mask alone does not
     # stop a NaN there: it poisons the scores (NaN + -inf) and P @ V (0 * NaN). Zero them
@@ -150,6 +187,4 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     padding = ~mask[:, None, :, None]
     k.masked_fill_(padding, 0)
     v.masked_fill_(padding, 0)
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                       enable_gqa=query.shape[1] != k_cache.shape[2])
-    return o.squeeze(2)
+    return variant.attend(query.unsqueeze(2), k, v, mask[:, None, None, :]).squeeze(2)

@@ -20,7 +20,7 @@ from .paged_kv import KV_QMAX, MIN_KV_SCALE, AttentionMetadata
 
 # exp(x) == exp2(x * log2(e)); folding log2(e) into the softmax scale lets the inner
 # loop use exp2, which maps to a single hardware instruction.
-_LOG2E = 1.4426950408889634
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 # tl.dot requires every dimension to be at least 16.
 _MIN_DOT_DIM = 16
@@ -195,11 +195,13 @@ def _paged_attention_kernel(
     v_cache_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,  # one logit per query head (HAS_SINKS); else a placeholder never read
     out_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    scale_log2,
+    scale,
+    softcap,  # with SOFTCAP: scores pass through softcap * tanh(s / softcap)
     window,  # sliding window in tokens; 0: none
     stride_qt,
     stride_qh,
@@ -221,6 +223,8 @@ def _paged_attention_kernel(
     stride_btb,
     stride_btn,
     QUANTIZED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # a program of its own: the branch costs registers in every other
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -266,6 +270,11 @@ def _paged_attention_kernel(
     # rather than exp2(-inf - -inf) = NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is the softmax's first column: the running max starts at it and the
+        # running sum at its weight, exp2(sink - max) = 1; it adds nothing to acc.
+        m_i = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * _LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
 
     # Keys past the last token of this tile are causally invisible to every row, and
@@ -304,7 +313,11 @@ def _paged_attention_kernel(
         k = k.to(q.dtype)
         # "ieee" only matters for fp32 inputs, which would otherwise go through TF32
         # (~1e-3 error); fp16/bf16 use tensor cores either way.
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if SOFTCAP:
+            s = _tanh(s * (scale / softcap)) * (softcap * _LOG2E)
+        else:
+            s = s * (scale * _LOG2E)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if window > 0:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -338,6 +351,15 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from one exp2, as sign(x) * (1 - e^-2|x|) / (1 + e^-2|x|): no overflow at
+    any |x|, and portable (Triton has no tanh of its own on every backend)."""
+    t = tl.math.exp2(tl.abs(x) * (-2.0 * _LOG2E))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _load_dequantized(code_ptrs, scale_ptrs, mask, row_valid):
     """A tile of 8-bit codes times their per-row scales, in fp32, 0 where masked."""
     # No fill value on the code load: the interpreter cannot cast one to float8.
@@ -346,12 +368,14 @@ def _load_dequantized(code_ptrs, scale_ptrs, mask, row_valid):
     return tl.where(mask, codes * scales[:, None], 0.0)
 
 
-def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool = False) -> tuple[int, int]:
+def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool = False,
+                  softcap: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) heuristics: small tiles for decode, larger for prefill, and
     smaller for wide heads to keep the fp32 accumulator within registers. An 8-bit
     cache's tiles are dequantized to fp32 in registers too, so with wide heads they are
-    smaller again: the sizes below are the largest that do not spill on sm_80 to sm_90
-    at 8 warps (scripts/triton_aot.py)."""
+    smaller again, as are soft-capped tiles of heads over 128 (Gemma 2's 256): the sizes
+    below are the largest that do not spill on sm_80 to sm_90 at 8 warps
+    (scripts/triton_aot.py)."""
     dim_pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
     wide = dim_pad > 64
@@ -362,7 +386,7 @@ def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool
         block_m = 32 if dim_pad <= 128 else 16
     else:
         block_m = 64 if dim_pad <= 128 else 32
-    block_n = 16 if quantized and wide else 32 if wide else 64
+    block_n = 16 if (quantized and wide) or (softcap and dim_pad > 128) else 32 if wide else 64
     return max(block_m, group_pad, _MIN_DOT_DIM), max(block_n, _MIN_DOT_DIM)
 
 
@@ -375,15 +399,18 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``query [num_tokens, num_heads, head_dim]`` over the paged
     cache (8-bit when scales are given), for a flat batch of prefill chunks and decode
     tokens; a token at position p sees only keys above ``p - window`` when a sliding
-    window is given. Returns a tensor of the query's shape and dtype."""
+    window is given; ``softcap`` and ``sinks`` as ``attention.paged_attention`` says.
+    Returns a tensor of the query's shape and dtype."""
     block_m, block_n = _choose_tiles(meta.max_query_len, _group_size(query, k_cache), query.shape[2],
-                                     quantized=k_scale is not None)
-    return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, block_m=block_m,
-                            block_n=block_n)
+                                     quantized=k_scale is not None, softcap=softcap > 0)
+    return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks,
+                            block_m=block_m, block_n=block_n)
 
 
 def _group_size(query: torch.Tensor, k_cache: torch.Tensor) -> int:
@@ -402,6 +429,8 @@ def _paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     *,
     block_m: int,
     block_n: int,
@@ -420,14 +449,15 @@ def _paged_attention(
         return torch.empty_like(query)
     return torch.ops.localserve.paged_attention(query, k_cache, v_cache, k_scale, v_scale, meta.block_tables,
                                                 meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale,
-                                                window or 0, block_m, block_n)
+                                                window or 0, softcap, sinks, block_m, block_n)
 
 
 @torch.library.custom_op("localserve::paged_attention", mutates_args=())
 def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                        window: int, block_m: int, block_n: int) -> torch.Tensor:
+                        window: int, softcap: float, sinks: torch.Tensor | None, block_m: int,
+                        block_n: int) -> torch.Tensor:
     head_dim = query.shape[2]
     group = _group_size(query, k_cache)
     scales = _check_scales(k_cache, k_scale, v_scale)
@@ -439,11 +469,13 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache,
         scales[0],
         scales[1],
+        query if sinks is None else sinks,
         out,
         block_tables,
         query_start_loc,
         seq_lens,
-        scale * _LOG2E,
+        scale,
+        softcap,
         window,
         *query.stride(),
         *out.stride(),
@@ -452,6 +484,8 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *scales[0].stride()[:3],  # placeholders pass the cache's first three
         *block_tables.stride(),
         QUANTIZED=k_scale is not None,
+        HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap > 0,
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=triton.next_power_of_2(head_dim),
@@ -465,7 +499,7 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 @_paged_attention_op.register_fake
 def _(query, k_cache, v_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens,  # type: ignore[no-untyped-def]
-      max_query_len, scale, window, block_m, block_n) -> torch.Tensor:
+      max_query_len, scale, window, softcap, sinks, block_m, block_n) -> torch.Tensor:
     return torch.empty_like(query)
 
 

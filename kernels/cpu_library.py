@@ -63,7 +63,7 @@ _SIGNATURES = {
     "ls_paged_attention": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
-                                  ctypes.c_void_p]),
+                                  ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]),
 }
 
 

@@ -124,7 +124,7 @@ def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int]:
 # -- cases: each launches one kernel through its dispatcher on a real model's shapes --------
 
 def _attention(dtype: torch.dtype, cache: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-               query_len: int, write: bool) -> None:
+               query_len: int, write: bool, softcap: float = 0.0, sinks: bool = False) -> None:
     blocks, block_size, seqs = 8, 16, 2
     k_cache = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=cache)
     v_cache = torch.zeros_like(k_cache)
@@ -143,7 +143,8 @@ def _attention(dtype: torch.dtype, cache: torch.dtype, heads: int, kv_heads: int
         max_query_len=query_len, max_seq_len=seq_len, query_lens_host=[query_len] * seqs,
         seq_lens_host=[seq_len] * seqs)
     query = torch.zeros(tokens, heads, head_dim, dtype=dtype)
-    attention_triton.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, *scales)
+    attention_triton.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5, *scales, window=128,
+                                     softcap=softcap, sinks=torch.zeros(heads) if sinks else None)
 
 
 _GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
@@ -214,6 +215,13 @@ def cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                     phase = "decode" if query_len == 1 else "prefill"
                     yield (f"paged_attention {phase} {tag}",
                            lambda a=(dtype, cache, heads, kv_heads, head_dim, query_len): _attention(*a, False))
+        # The variants' programs: Gemma 2's soft cap (8/4 x 256) and GPT-OSS's sinks (64/8 x 64).
+        for query_len in (1, 64):
+            phase = "decode" if query_len == 1 else "prefill"
+            yield (f"paged_attention {phase} {str(dtype)[6:]} 8/4x256 softcap",
+                   lambda a=(dtype, query_len): _attention(a[0], a[0], 8, 4, 256, a[1], False, softcap=50.0))
+            yield (f"paged_attention {phase} {str(dtype)[6:]} 64/8x64 sinks",
+                   lambda a=(dtype, query_len): _attention(a[0], a[0], 64, 8, 64, a[1], False, sinks=True))
         kinds = ["Q4_K", "Q6_K", "Q8_0"] if quick else list(_BLOCK)
         for m in ((1, 64) if quick else (1, 16, 32, 64)):
             for kind in kinds:

@@ -129,7 +129,8 @@ class Batch:
     def write_with_reference(self) -> None:
         attention_ref.write_kv(self.key, self.value, self.k_cache, self.v_cache, self.meta.slot_mapping, *self.scales)
 
-    def reference(self, window: int | None = None) -> torch.Tensor:
+    def reference(self, window: int | None = None, softcap: float = 0.0,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
         # Expected values from clean caches, independent of how the reference itself
         # keeps gathered unowned slots out (test_attention_ref checks that); the NaNs
         # are for the kernel under test.
@@ -139,7 +140,14 @@ class Batch:
             return t.float().nan_to_num(0.0).to(t.dtype)
 
         return attention_ref.paged_attention(self.query, clean(self.k_cache), clean(self.v_cache), self.meta,
-                                             self.scale, clean(self.k_scale), clean(self.v_scale), window)
+                                             self.scale, clean(self.k_scale), clean(self.v_scale), window, softcap,
+                                             sinks)
+
+
+def sinks_for(num_heads: int, seed: int = 1) -> torch.Tensor:
+    """Per-head sink logits around the scores' own range (some heads' sinks outweigh
+    most keys, some hardly count), as GPT-OSS's trained sinks are."""
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import torch
 from localserve.kernels import AttentionMetadata, KVCache, attention_cpu, attention_ref, cpu_library, paged_attention
 from localserve.kernels.dispatch import KernelChoice, using
 
-from .attention_batches import MIXED, Batch, assert_close
+from .attention_batches import MIXED, Batch, assert_close, sinks_for
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels were not built")
 
@@ -43,6 +43,20 @@ def test_sliding_window_equals_reference(shape: list[tuple[int, int]], window: i
                                          window=window)
     assert_close(ours, batch.reference(window))
     assert not torch.allclose(ours, batch.reference())  # the window mattered
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(2.0, False), (0.0, True), (2.0, True)])
+@pytest.mark.parametrize("shape", [MIXED, DECODES], ids=["mixed", "decodes"])
+def test_softcap_and_sinks_equal_reference(shape: list[tuple[int, int]], softcap: float, with_sinks: bool,
+                                           window: int | None) -> None:
+    batch = Batch(shape, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+    batch.write_with_reference()
+    sinks = sinks_for(8) if with_sinks else None
+    ours = attention_cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                         window=window, softcap=softcap, sinks=sinks)
+    assert_close(ours, batch.reference(window, softcap, sinks))
+    assert not torch.allclose(ours, batch.reference(window))  # the variant mattered
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])

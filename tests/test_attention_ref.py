@@ -12,15 +12,18 @@ from localserve.kernels import AttentionMetadata, KVCache, paged_attention, writ
 from localserve.kernels import attention_ref
 from localserve.kernels.attention_ref import dequantize_kv, quantize_kv
 
-from .attention_batches import MIXED, Batch, assert_close
+from .attention_batches import MIXED, Batch, assert_close, sinks_for
 
 EIGHT_BIT = [torch.int8, torch.float8_e4m3fn]
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [q_len, H, D] are the last q_len positions of k/v [seq_len, KV, D]; under a
-    sliding window, the query at position p sees keys p - window + 1 .. p."""
+    sliding window, the query at position p sees keys p - window + 1 .. p. A soft cap
+    bounds each score by tanh; a head's sink is one more softmax logit, whose weight is
+    dropped (as transformers' eager GPT-OSS attention writes it)."""
     q_len, heads = q.shape[0], q.shape[1]
     seq_len, kv_heads = k.shape[0], k.shape[1]
     out = torch.empty_like(q)
@@ -30,18 +33,31 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             end = seq_len - q_len + i + 1
             start = max(0, end - window) if window else 0
             scores = (kh[start:end] @ q[i, h]) * scale
-            out[i, h] = torch.softmax(scores, dim=0) @ vh[start:end]
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            if sinks is not None:
+                weights = torch.softmax(torch.cat([scores, sinks[h : h + 1]]), dim=0)[:-1]
+            else:
+                weights = torch.softmax(scores, dim=0)
+            out[i, h] = weights @ vh[start:end]
     return out
 
 
-@pytest.mark.parametrize("window", [None, 5, 1])
+# (window, softcap, sinks): plain; sliding windows of 5 tokens (over 4-token blocks) and of
+# 1 (each token sees only itself); a soft cap small enough to bend most scores; sinks;
+# and all three at once (GPT-OSS's sliding layers have a window and sinks).
+VARIANTS = [(None, 0.0, False), (5, 0.0, False), (1, 0.0, False), (None, 1.5, False), (None, 0.0, True),
+            (5, 1.5, True)]
+
+
+@pytest.mark.parametrize("window,softcap,with_sinks", VARIANTS)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, *EIGHT_BIT])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.dtype, window: int | None) -> None:
+def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.dtype, window: int | None,
+                                  softcap: float, with_sinks: bool) -> None:
     """An 8-bit cache must equal naive attention over the keys and values as quantized
-    and dequantized one token at a time; a sliding window (5 tokens over 4-token blocks,
-    and 1: each token sees only itself) crosses block boundaries in prefill and decode
-    rows. fp32 runs the C++ kernel, 8-bit caches the reference."""
+    and dequantized one token at a time; a sliding window crosses block boundaries in
+    prefill and decode rows. fp32 runs the C++ kernel, 8-bit caches the reference."""
     torch.manual_seed(0)
     dim, block_size, num_blocks = 16, 4, 64
     # (cached context, new tokens): fresh prefill, chunk after context, decodes.
@@ -83,8 +99,10 @@ def test_mixed_batch_equals_naive(heads: int, kv_heads: int, cache_dtype: torch.
         seq_lens_host=seq_lens,
     )
     scale = dim**-0.5
-    out = paged_attention(torch.cat(queries), cache, meta, scale, window)
-    expected = torch.cat([naive_attention(q, k, v, scale, window) for q, k, v in zip(queries, full_k, full_v)])
+    sinks = sinks_for(heads) if with_sinks else None
+    out = paged_attention(torch.cat(queries), cache, meta, scale, window, softcap, sinks)
+    expected = torch.cat([naive_attention(q, k, v, scale, window, softcap, sinks)
+                          for q, k, v in zip(queries, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -126,3 +144,12 @@ def test_quantize_kv_follows_its_definition(dtype: torch.dtype) -> None:
     assert ((restored - x).abs() <= bound * (1 + 1e-6)).all()
     relative = (restored - x).norm() / x.norm()
     assert relative < (0.01 if dtype == torch.int8 else 0.04)
+
+
+def test_variants_are_checked() -> None:
+    batch = Batch(MIXED, num_heads=4, num_kv_heads=2, head_dim=16)
+    cache = KVCache(batch.k_cache, batch.v_cache)
+    for kwargs, message in ((dict(softcap=-1.0), "soft cap"), (dict(sinks=torch.zeros(3)), "sinks"),
+                            (dict(sinks=torch.zeros(4, dtype=torch.float16)), "sinks")):
+        with pytest.raises(ValueError, match=message):
+            paged_attention(batch.query, cache, batch.meta, batch.scale, **kwargs)

@@ -18,7 +18,7 @@ triton, DEVICE, INTERPRETED = triton_or_skip()
 
 from localserve.kernels import attention_ref, attention_triton  # noqa: E402
 
-from .attention_batches import MIXED, TOLERANCE, assert_close  # noqa: E402
+from .attention_batches import MIXED, TOLERANCE, assert_close, sinks_for  # noqa: E402
 from .attention_batches import Batch as CpuBatch  # noqa: E402
 
 Batch = functools.partial(CpuBatch, device=DEVICE)
@@ -149,6 +149,27 @@ def test_paged_attention_sliding_window(shape: list[tuple[int, int]], window: in
                                               window=window, block_m=16, block_n=16)
     assert_close(small, expected)
     assert not torch.allclose(out, batch.reference())  # the window mattered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), [(None, 2.0, False), (None, 0.0, True), (5, 2.0, True)])
+@pytest.mark.parametrize("shape", [MIXED, [(1, 1), (1, 17), (1, 64), (1, 200)]], ids=["mixed", "decodes"])
+def test_paged_attention_softcap_and_sinks(shape: list[tuple[int, int]], window: int | None, softcap: float,
+                                           with_sinks: bool, dtype: torch.dtype) -> None:
+    """Gemma 2's soft cap and GPT-OSS's sinks (with its window), in prefill tiles and
+    decode rows, with default and 16x16 tiles (a sink must count once per row, not per
+    key tile)."""
+    batch = Batch(shape, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype)
+    batch.write_with_reference()
+    sinks = sinks_for(8).to(DEVICE) if with_sinks else None
+    expected = batch.reference(window, softcap, sinks)
+    out = attention_triton.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                           window=window, softcap=softcap, sinks=sinks)
+    assert_close(out, expected)
+    small = attention_triton._paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, batch.scale,
+                                              window=window, softcap=softcap, sinks=sinks, block_m=16, block_n=16)
+    assert_close(small, expected)
+    assert not torch.allclose(out.float(), batch.reference(window).float(), atol=1e-2)  # the variant mattered
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

@@ -104,9 +104,11 @@ void ls_dense_matmul(const float* w, int64_t n, int64_t k, const float* x, int64
 // dim] fp32, block_tables [batch, max_blocks] int32. Each row is computed exactly as a
 // decode of its position would be: the same bits however the prompt was chunked. With
 // window > 0 a row sees only the last `window` keys up to its position (sliding window).
+// With softcap > 0 each scaled score s becomes softcap * tanh(s / softcap); sinks (null, or
+// one logit per query head) add a value-less column to every row's softmax.
 void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
                         const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
                         int64_t max_blocks, const int32_t* query_start, const int32_t* seq_lens, int64_t batch,
-                        float scale, int64_t window, float* out);
+                        float scale, int64_t window, float softcap, const float* sinks, float* out);
 }
 #pragma GCC visibility pop

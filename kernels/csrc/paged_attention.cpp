@@ -18,7 +18,7 @@ extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t h
                                    const float* k_cache, const float* v_cache, int64_t block_size, int64_t kv_heads,
                                    const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
                                    const int32_t* seq_lens, int64_t batch, float scale, int64_t window,
-                                   float* out) {
+                                   float softcap, const float* sinks, float* out) {
   const int64_t group = heads / kv_heads, token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   // Every row's (sequence, position), so the work splits evenly over rows, not sequences.
   std::vector<int64_t> row_seq(tokens), row_pos(tokens);
@@ -49,13 +49,16 @@ extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t h
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
-          scores[g * len + t] = dot * scale;
+          const float scaled = dot * scale;
+          scores[g * len + t] = softcap > 0.0f ? softcap * std::tanh(scaled / softcap) : scaled;
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
-        const float peak = *std::max_element(s, s + len);
-        float total = 0.0f;
+        // A sink is one more logit in the softmax, with no value to weigh.
+        const float sink = sinks != nullptr ? sinks[kvh * group + g] : -INFINITY;
+        const float peak = std::max(*std::max_element(s, s + len), sink);
+        float total = sinks != nullptr ? std::exp(sink - peak) : 0.0f;
         for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - peak));
         const float inverse = 1.0f / total;
         for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
