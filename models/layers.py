@@ -15,12 +15,19 @@ Weight = torch.Tensor | QuantWeight | TiledWeight
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``x / rms(x) * weight``; with an ``offset`` (Gemma: 1), ``* (offset + weight)``
+    computed in fp32 before the cast back, as Gemma's reference does."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
         if x.dtype == torch.float32:  # one fused op instead of six (they dominate a CPU decode step's glue)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the model dtype, as the reference implementations do.
@@ -84,18 +91,30 @@ class Linear(nn.Module):
         return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes for t in tensors)
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up in one matmul."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+# The gate's activation by ModelSpec.hidden_act.
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": gelu_tanh}
+
+
+class MLP(nn.Module):
+    """Gated: ``down(act(gate(x)) * up(x))``, gate and up in one matmul; SwiGLU with
+    silu, GeGLU with gelu_tanh (Gemma). ``fused``: the checkpoint holds gate and up as one
+    tensor (gate rows first), filled as a single part."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False,
+                 fused: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up = Linear(hidden_size, [intermediate_size] * 2)
-        self.down = Linear(intermediate_size, [hidden_size])
+        self.gate_up = Linear(hidden_size, [2 * intermediate_size] if fused else [intermediate_size] * 2, bias=bias)
+        self.down = Linear(intermediate_size, [hidden_size], bias=bias)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 class Embedding(Linear):

@@ -1,8 +1,10 @@
-"""The Llama family: Llama 1/2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm), and their
-mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (a SparseMoE block in place of
-the MLP).
+"""The Llama family: Llama 1/2/3 (biases optional), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k
+norm), Granite (multipliers), Phi-3 (fused projections, longrope), Gemma 2 and 3 (GeGLU,
+(1 + w) norms around both blocks, scaled embeddings, soft caps, local and global layers
+with their own rotary bases), and the mixture-of-experts kin Mixtral, Qwen2-MoE and
+Qwen3-MoE (a SparseMoE block in place of the MLP).
 
-One module serves them all; the spec's flags switch the differences. Q/K/V and
+One module serves them all; the spec's fields switch the differences. Q/K/V and
 gate/up projections are fused into single matmuls where the weights' layouts allow,
 filled part by part from the checkpoint's separate tensors at load time.
 """
@@ -33,13 +35,19 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv = Linear(spec.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=spec.attention_bias)
-        self.o_proj = Linear(self.q_size, [spec.hidden_size])
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        fused = ARCHITECTURES[spec.architecture].fused_projections
+        parts = [self.q_size + 2 * self.kv_size] if fused else [self.q_size, self.kv_size, self.kv_size]
+        self.qkv = Linear(spec.hidden_size, parts, bias=spec.attention_bias)
+        self.o_proj = Linear(self.q_size, [spec.hidden_size], bias=spec.attention_out_bias)
+        offset = spec.norm_weight_offset
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset) if spec.qk_norm else None
         self.rotary = rotary
-        self.scale = self.head_dim**-0.5
+        self.scale = spec.query_scale
+        self.softcap = spec.attention_softcap
         self.window = spec.window_of(index)
+        # Sliding layers with rotary settings of their own (Gemma 3) take the second table.
+        self.rope_index = 1 if self.window is not None and spec.local_rope is not None else 0
 
     def forward(
         self,
@@ -60,18 +68,28 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
             q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
         write_kv(k, v, cache, meta.slot_mapping)
-        out = paged_attention(q, cache, meta, self.scale, self.window)
+        out = paged_attention(q, cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_weight_offset)
+
+        self.input_norm = norm()
         self.attn = Attention(spec, rotary, index)
-        self.post_attention_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.pre_mlp_norm = norm()
+        # Gemma normalises each block's output too, before the residual add.
+        self.attn_out_norm = norm() if spec.sandwich_norms else None
+        self.mlp_out_norm = norm() if spec.sandwich_norms else None
+        self.residual_scale = spec.residual_scale
+        fused = ARCHITECTURES[spec.architecture].fused_projections
         self.mlp: MLP | SparseMoE = (SparseMoE(spec) if spec.is_moe_layer(index)
-                                     else MLP(spec.hidden_size, spec.intermediate_size))
+                                     else MLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act,
+                                              spec.mlp_bias, fused))
 
     def forward(
         self,
@@ -80,8 +98,13 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_norm(x))
+        x = x + self._block_out(self.attn(self.input_norm(x), rope, cache, meta), self.attn_out_norm)
+        return x + self._block_out(self.mlp(self.pre_mlp_norm(x)), self.mlp_out_norm)
+
+    def _block_out(self, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        if norm is not None:
+            out = norm(out)
+        return out * self.residual_scale if self.residual_scale != 1.0 else out
 
 
 class LlamaForCausalLM(nn.Module):
@@ -89,9 +112,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.rotary = rotary = RotaryEmbedding(spec.rope, spec.head_dim, max_position, device)
+        self.local_rotary = (RotaryEmbedding(spec.local_rope, spec.head_dim, max_position, device)
+                             if spec.local_rope is not None else None)
         self.embed = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_weight_offset)
         self.lm_head = self.embed if spec.tie_word_embeddings else Linear(spec.hidden_size, [spec.vocab_size])
         self.dtype = torch.float32
 
@@ -104,13 +129,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V."""
         x = self.embed.lookup(input_ids, self.dtype)
-        rope = self.rotary.lookup(positions, x.dtype)
+        if self.spec.embedding_scale != 1.0:
+            # Rounded to the model dtype first, as transformers' Gemma does (sqrt(2304) is exact
+            # anyway, sqrt(1152) is not); Granite's 12 is exact in every dtype.
+            x = x * torch.tensor(self.spec.embedding_scale, dtype=x.dtype).item()
+        ropes = [self.rotary.lookup(positions, x.dtype)]
+        if self.local_rotary is not None:
+            ropes.append(self.local_rotary.lookup(positions, x.dtype))
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, cache, meta)
+            x = layer(x, ropes[layer.attn.rope_index], cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.spec.logit_scale != 1.0:
+            logits = logits * self.spec.logit_scale
+        if self.spec.final_softcap:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits
 
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
@@ -130,11 +166,12 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.attn, layer.mlp
-            for part, name in enumerate(("q", "k", "v")):
-                slots[f"{prefix}self_attn.{name}_proj.weight"] = (attn.qkv, part, False)
-                if attn.qkv.bias_parts is not None:
-                    slots[f"{prefix}self_attn.{name}_proj.bias"] = (attn.qkv, part, True)
-            slots[f"{prefix}self_attn.o_proj.weight"] = (attn.o_proj, 0, False)
+            if len(attn.qkv.part_sizes) == 1:  # held whole (Phi-3)
+                slots |= _linear_slots(f"{prefix}self_attn.qkv_proj.", attn.qkv, 0)
+            else:
+                for part, name in enumerate(("q", "k", "v")):
+                    slots |= _linear_slots(f"{prefix}self_attn.{name}_proj.", attn.qkv, part)
+            slots |= _linear_slots(f"{prefix}self_attn.o_proj.", attn.o_proj, 0)
             if attn.q_norm is not None:
                 slots[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
                 slots[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
@@ -143,7 +180,13 @@ class LlamaForCausalLM(nn.Module):
             else:
                 slots |= _mlp_slots(f"{prefix}mlp.", mlp)
             slots[f"{prefix}input_layernorm.weight"] = layer.input_norm.weight
-            slots[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_norm.weight
+            if layer.attn_out_norm is not None and layer.mlp_out_norm is not None:
+                # Gemma's names: post_attention_layernorm is the attention's output norm.
+                slots[f"{prefix}post_attention_layernorm.weight"] = layer.attn_out_norm.weight
+                slots[f"{prefix}pre_feedforward_layernorm.weight"] = layer.pre_mlp_norm.weight
+                slots[f"{prefix}post_feedforward_layernorm.weight"] = layer.mlp_out_norm.weight
+            else:
+                slots[f"{prefix}post_attention_layernorm.weight"] = layer.pre_mlp_norm.weight
         return slots
 
     def _moe_slots(self, prefix: str, moe: SparseMoE) -> dict[str, Slot]:
@@ -163,6 +206,17 @@ class LlamaForCausalLM(nn.Module):
         return slots
 
 
+def _linear_slots(prefix: str, linear: Linear, part: int) -> dict[str, Slot]:
+    """``prefix`` + weight (and bias, when the projection has one) of one part."""
+    slots: dict[str, Slot] = {f"{prefix}weight": (linear, part, False)}
+    if linear.bias_parts is not None:
+        slots[f"{prefix}bias"] = (linear, part, True)
+    return slots
+
+
 def _mlp_slots(prefix: str, mlp: MLP) -> dict[str, Slot]:
-    return {f"{prefix}gate_proj.weight": (mlp.gate_up, 0, False), f"{prefix}up_proj.weight": (mlp.gate_up, 1, False),
-            f"{prefix}down_proj.weight": (mlp.down, 0, False)}
+    if len(mlp.gate_up.part_sizes) == 1:  # held whole (Phi-3)
+        slots = _linear_slots(f"{prefix}gate_up_proj.", mlp.gate_up, 0)
+    else:
+        slots = _linear_slots(f"{prefix}gate_proj.", mlp.gate_up, 0) | _linear_slots(f"{prefix}up_proj.", mlp.gate_up, 1)
+    return slots | _linear_slots(f"{prefix}down_proj.", mlp.down, 0)

@@ -1,5 +1,11 @@
 """Rotary position embeddings in HF's half-split ("rotate_half") layout, with the
-context-extension schemes checkpoints declare: linear, llama3 and YaRN."""
+context-extension schemes checkpoints declare: linear, llama3, YaRN, dynamic NTK and
+longrope.
+
+transformers switches dynamic NTK and longrope by the length of each forward's sequence;
+a paged cache cannot re-rotate the keys it holds, so here (as in llama.cpp) the switch is
+made once, by the context the engine serves: within the pre-trained context both equal
+transformers exactly, and beyond it they are what transformers reaches at that length."""
 
 from __future__ import annotations
 
@@ -10,14 +16,22 @@ import torch
 from localserve.formats.spec import RopeSpec
 
 
-def inverse_frequencies(rope: RopeSpec, rotary_dim: int) -> tuple[torch.Tensor, float]:
-    """Per-pair rotation speeds and the scale YaRN applies to cos/sin (1 elsewhere)."""
+def inverse_frequencies(rope: RopeSpec, rotary_dim: int, context: int) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation speeds and the scale YaRN and longrope apply to cos/sin (1
+    elsewhere), for a model serving ``context`` tokens."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-    inv_freq = 1.0 / rope.theta**exponents
+    theta = rope.theta
+    if rope.kind == "dynamic" and rope.original_max_position and context > rope.original_max_position:
+        # NTK: a larger base for a longer context (transformers' formula at that length).
+        stretch = rope.factor * context / rope.original_max_position - (rope.factor - 1)
+        theta = theta * stretch ** (rotary_dim / (rotary_dim - 2))
+    inv_freq = 1.0 / theta**exponents
     if rope.freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
-    if rope.kind == "default":
+    if rope.kind in ("default", "dynamic"):
         return inv_freq.float(), 1.0
+    if rope.kind == "longrope":
+        return _longrope(inv_freq, rope, context)
     if rope.kind == "linear":
         return (inv_freq / rope.factor).float(), 1.0
     if rope.kind == "llama3":
@@ -39,6 +53,18 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
     in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(in_band, blended, scaled)
+
+
+def _longrope(inv_freq: torch.Tensor, rope: RopeSpec, context: int) -> tuple[torch.Tensor, float]:
+    # Each pair's frequency divided by its factor: the long set past the pre-trained
+    # context, the short set within it; cos/sin scaled by the context's growth.
+    original = rope.original_max_position or context
+    factors = rope.long_factor if context > original else rope.short_factor
+    assert factors is not None
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(rope.factor) / math.log(original)) if rope.factor > 1 else 1.0
+    return (inv_freq / torch.tensor(factors, dtype=torch.float64)).float(), float(attention_factor)
 
 
 def _yarn(inv_freq: torch.Tensor, rope: RopeSpec, rotary_dim: int) -> tuple[torch.Tensor, float]:
@@ -69,7 +95,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeSpec, head_dim: int, max_position: int, device: torch.device) -> None:
         super().__init__()
         self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
-        inv_freq, scale = inverse_frequencies(rope, self.rotary_dim)
+        inv_freq, scale = inverse_frequencies(rope, self.rotary_dim, max_position)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # cos/sin of each pair, repeated for both halves as rotate_half expects.
         self.register_buffer("cos", (angles.cos() * scale).repeat(1, 2).to(device), persistent=False)

@@ -35,8 +35,8 @@ _BASE = dict(
 
 
 def _configs() -> dict[str, Callable[[], object]]:
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
         "llama": lambda: LlamaConfig(**_BASE),
@@ -51,6 +51,35 @@ def _configs() -> dict[str, Callable[[], object]]:
             **_BASE, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
         ),
         "llama-tied": lambda: LlamaConfig(**_BASE, tie_word_embeddings=True),
+        # Biases on every projection, attention's and the MLP's.
+        "llama-bias": lambda: LlamaConfig(**_BASE, attention_bias=True, mlp_bias=True),
+        # Dynamic NTK: a 64-token pre-trained context that may stretch 4x.
+        "llama-dynamic": lambda: LlamaConfig(**{**_BASE, "max_position_embeddings": 64},
+                                             rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                              "factor": 4.0}),
+        # Granite's multipliers, none of them 1 (the real models' values).
+        "granite": lambda: GraniteConfig(**_BASE, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                         attention_multiplier=0.0078125, logits_scaling=8.0),
+        # Phi-3: fused qkv and gate_up; Phi-3.5/4-mini: longrope over a 64-token original
+        # context (1024 now), on 3/4 of each head (Phi-4-mini's partial rotary).
+        "phi3": lambda: Phi3Config(**_BASE, sliding_window=None),
+        "phi3-longrope": lambda: Phi3Config(
+            **{**_BASE, "num_attention_heads": 2, "num_key_value_heads": 1}, partial_rotary_factor=0.75,
+            original_max_position_embeddings=64, sliding_window=None,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0 + i / 10 for i in range(12)],
+                             "long_factor": [1.0 + i for i in range(12)]}),
+        # Gemma 2: GeGLU, (1 + w) norms around both blocks, scaled embeddings, soft caps low
+        # enough to bend the tiny model's scores, query_pre_attn_scalar unlike head_dim, and
+        # sliding (window 12) and full layers alternating.
+        "gemma2": lambda: Gemma2Config(**{**_BASE, "num_hidden_layers": 4}, head_dim=32, query_pre_attn_scalar=24,
+                                       sliding_window=12, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        # Gemma 3: q/k norms, no soft caps, 5 local layers to 1 global, the local ones with a
+        # rotary base of their own and the global ones' linearly scaled.
+        "gemma3": lambda: Gemma3TextConfig(
+            **{**_BASE, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=24, sliding_window=12,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
         "mistral": lambda: MistralConfig(**_BASE, sliding_window=None),
         # Sliding windows much shorter than the prompts: every layer (Mistral-7B-v0.1), and
         # Qwen2's use_sliding_window, where the first max_window_layers attend fully.
@@ -83,6 +112,11 @@ MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 MODEL_KINDS = list(_configs())
+# Rotary scaling that transformers switches by each forward's length, and localserve by the
+# served context (models/rope.py): compared with transformers in tests of their own.
+SCALED_ROPE_KINDS = ["llama-dynamic", "phi3-longrope"]
+# Sliding windows of 12 tokens, shorter than the test prompts.
+SLIDING_KINDS = ["mistral-swa", "qwen2-swa", "gemma2", "gemma3"]
 
 
 def reinitialise(model: torch.nn.Module, seed: int) -> None:

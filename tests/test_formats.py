@@ -34,8 +34,15 @@ def test_old_and_new_rope_keys() -> None:
 def test_config_errors_are_clear() -> None:
     with pytest.raises(LocalserveError, match="not supported"):
         spec_from_config({**BASE, "model_type": "gpt2"})
-    with pytest.raises(LocalserveError, match="rope type 'dynamic'"):
-        spec_from_config({**BASE, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(LocalserveError, match="rope type 'su'"):
+        spec_from_config({**BASE, "rope_scaling": {"type": "su", "factor": 2.0}})
+    with pytest.raises(LocalserveError, match="activation 'relu'"):
+        spec_from_config({**BASE, "hidden_act": "relu"})
+    with pytest.raises(LocalserveError, match="longrope needs 4 short and long factors"):
+        spec_from_config({**BASE, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4,
+                                                   "long_factor": [1.0] * 3}, "original_max_position_embeddings": 64})
+    with pytest.raises(LocalserveError, match="final_softcap inf"):
+        spec_from_config({**BASE, "final_logit_softcapping": float("inf")})
     with pytest.raises(LocalserveError, match="missing or malformed"):
         spec_from_config({k: v for k, v in BASE.items() if k != "hidden_size"})
     with pytest.raises(LocalserveError, match="multiple"):
@@ -43,8 +50,10 @@ def test_config_errors_are_clear() -> None:
 
 
 def test_qwen2_sliding_window_only_when_enabled() -> None:
-    assert spec_from_config({**BASE, "model_type": "qwen2", "sliding_window": 4096}).sliding_window is None
-    assert spec_from_config({**BASE, "model_type": "mistral", "sliding_window": 4096}).sliding_window == 4096
+    assert spec_from_config({**BASE, "model_type": "qwen2", "sliding_window": 1024}).sliding_window is None
+    assert spec_from_config({**BASE, "model_type": "mistral", "sliding_window": 1024}).sliding_window == 1024
+    # A window as long as the context (4,096 here) limits nothing.
+    assert spec_from_config({**BASE, "model_type": "mistral", "sliding_window": 4096}).window_of(0) is None
 
 
 @pytest.mark.parametrize("model_type,architecture,bias,qk_norm", [
@@ -62,7 +71,8 @@ def test_the_architecture_table_decides_what_sets_a_model_apart(model_type: str,
     assert by_gguf("llama", has_experts=True) is ARCHITECTURES["mixtral"]
     assert by_gguf("llama", has_experts=False) is ARCHITECTURES["llama"]
     assert by_gguf("qwen3moe", has_experts=True) is ARCHITECTURES["qwen3_moe"] and by_gguf("gpt2", False) is None
-    with pytest.raises(LocalserveError, match="supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"):
+    with pytest.raises(LocalserveError, match="supported: gemma2, gemma3_text, granite, llama, mistral, mixtral, phi3, qwen2, "
+                       "qwen2_moe, qwen3, qwen3_moe"):
         spec_from_config({**BASE, "model_type": "gpt2"})
 
 

@@ -10,7 +10,8 @@ from localserve.engine.request import Request
 from localserve.engine.runner import prepare_inputs
 from localserve.engine.scheduler import ScheduledBatch
 
-from .conftest import MODEL_KINDS, hf_greedy, hf_logits, random_prompt, relative_error
+from .conftest import (MODEL_KINDS, SCALED_ROPE_KINDS, SLIDING_KINDS, hf_greedy, hf_logits, random_prompt,
+                       relative_error)
 
 TOLERANCE = 1e-4
 
@@ -43,7 +44,7 @@ def all_logits(engine: Engine, prompts: list[list[int]], chunks: list[int] | Non
     return [torch.cat(parts) for parts in logits]
 
 
-@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("kind", [kind for kind in MODEL_KINDS if kind not in SCALED_ROPE_KINDS])
 def test_logits_match_transformers(tiny_models, kind: str) -> None:
     path, hf = tiny_models.get(kind)
     engine = Engine(path, EngineConfig(num_kv_blocks=64), device="cpu", dtype=torch.float32)
@@ -54,7 +55,7 @@ def test_logits_match_transformers(tiny_models, kind: str) -> None:
         assert error <= TOLERANCE, f"{kind}: relative max error {error:.2e} for length {len(prompt)}"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral-swa", "qwen2-swa"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", *SLIDING_KINDS])
 def test_chunked_prefill_logits_match(tiny_models, kind: str) -> None:
     """Prefill in chunks (cached context + new chunk, crossing block boundaries; for the
     sliding-window kinds, chunks starting far past the window of 12)."""
@@ -76,7 +77,7 @@ def test_half_precision_and_sharded_checkpoints(tiny_models, save_dtype, shard_s
     assert relative_error(all_logits(engine, [prompt])[0], hf_logits(hf, prompt)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("kind", ["mistral-swa", "qwen2-swa"])
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
 def test_sliding_window_greedy_matches_transformers(tiny_models, kind: str) -> None:
     """A batch of prompts shorter and longer than the window of 12, prefilled in 16-token
     chunks beside running decodes, generates what transformers does: the context is the
@@ -93,3 +94,25 @@ def test_sliding_window_greedy_matches_transformers(tiny_models, kind: str) -> N
         outputs.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
     for i, prompt in enumerate(prompts):
         assert outputs[str(i)] == hf_greedy(hf, prompt, 10), f"{kind}: prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("kind", SCALED_ROPE_KINDS)
+def test_scaled_rope_follows_the_served_context(tiny_models, kind: str) -> None:
+    """transformers picks dynamic NTK's base and longrope's factor set by each forward's
+    length; here the served context picks them once. Served at the pre-trained 64 tokens
+    (longrope: short factors; dynamic: the plain base), a 40-token prompt equals
+    transformers; served at 100 (longrope: long factors; dynamic: the base for 100), a
+    100-token prompt, which transformers runs with the same settings, equals it too."""
+    path, hf = tiny_models.get(kind)
+    short, long = random_prompt(40, seed=7), random_prompt(100, seed=8)
+    results = {}
+    for context, prompt in ((64, short), (100, long)):
+        engine = Engine(path, EngineConfig(num_kv_blocks=64, max_model_len=context), device="cpu",
+                        dtype=torch.float32)
+        assert engine.max_model_len == context
+        ours = all_logits(engine, [prompt])[0]
+        error = relative_error(ours, hf_logits(hf, prompt))
+        assert error <= TOLERANCE, f"{kind} at context {context}: relative max error {error:.2e}"
+        results[context] = all_logits(engine, [short])[0]
+    # The two contexts rotate differently: the scaling did something.
+    assert relative_error(results[100], results[64]) > 1e-2

@@ -83,9 +83,13 @@ def most_pool_tokens(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtyp
 
 
 def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:
-    """The longest context asked for (``max_model_len``) or the model's own."""
-    limit = spec.max_position_embeddings
-    wanted = max_model_len or limit
+    """The longest context asked for (``max_model_len``) or the model's own. Dynamic NTK
+    rope stretches to ``factor`` times the model's context, but only when asked: its
+    rotary base follows the served context (models/rope.py), and at the model's own it is
+    the pre-trained one."""
+    own = spec.max_position_embeddings
+    limit = int(own * spec.rope.factor) if spec.rope.kind == "dynamic" else own
+    wanted = max_model_len or own
     if wanted > limit:
         raise LocalserveError(f"max_model_len {wanted} exceeds the model's context of {limit} tokens")
     return wanted

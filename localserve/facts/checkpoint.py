@@ -66,6 +66,8 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         "kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
         "context_length": spec.max_position_embeddings,
+        "sliding_window": spec.sliding_window,
+        "sliding_window_layers": sum(spec.window_of(i) is not None for i in range(spec.num_layers)),
         "vocab_size": spec.vocab_size,
         "file_bytes": file_bytes,
         "license": gguf_license(checkpoint),
@@ -75,11 +77,19 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         ("architecture", f"{spec.architecture}: {spec.num_layers} layers, hidden {spec.hidden_size}, "
                          f"{spec.num_heads} heads ({spec.num_kv_heads} KV) of {spec.head_dim}"),
         ("parameters", describe_parameters(spec)),
-        ("context", f"{spec.max_position_embeddings:,} tokens"),
+        ("context", f"{spec.max_position_embeddings:,} tokens{_windows(spec)}"),
         ("vocabulary", f"{spec.vocab_size:,} tokens"),
         ("weights", f"{info['quantization']}; {human_bytes(file_bytes)}"),
     ]
     return info, lines
+
+
+def _windows(spec: ModelSpec) -> str:
+    """``; a sliding window of W on L of N layers``, or nothing for full attention."""
+    sliding = sum(spec.window_of(i) is not None for i in range(spec.num_layers))
+    if not sliding:
+        return ""
+    return f"; a sliding window of {spec.sliding_window:,} on {sliding} of {spec.num_layers} layers"
 
 
 def describe_parameters(spec: ModelSpec) -> str:

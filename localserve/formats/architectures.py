@@ -1,6 +1,6 @@
 """The architectures localserve runs, one entry each: how the HF and GGUF readers
-recognise one and what differs between them. Every Llama-like model is the same
-decoder (models/llama.py); adding one is an entry here."""
+recognise one and what differs between them. Every Llama-like model (Gemma, Phi-3 and
+Granite included) is the same decoder (models/llama.py); adding one is an entry here."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ class Architecture:
     renormalize_gates: bool = True  # GGUF: llama.cpp renormalises the chosen experts' gates
     sliding_window_needs_flag: bool = False  # config.json's sliding_window holds only with use_sliding_window
     gguf_permuted_qk: bool = False  # GGUF: the converter permuted the Q/K rows (arch llama)
+    # Gemma: RMSNorms scale by (1 + weight), norms after attention and after the MLP as well
+    # as before, embeddings times sqrt(hidden).
+    gemma: bool = False
+    tied_embeddings: bool = False  # config.json's tie_word_embeddings when it does not say (Gemma: tied)
+    # Sliding and full layers alternate: every n-th layer is full (when config.json lists no
+    # layer_types and states no sliding_window_pattern of its own).
+    sliding_window_pattern: int | None = None
+    fused_projections: bool = False  # HF checkpoints hold qkv_proj and gate_up_proj whole (Phi-3)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -33,6 +41,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen2_moe", ("qwen2_moe",), "qwen2moe", attention_bias=True, moe="qwen", renormalize_gates=False,
                  sliding_window_needs_flag=True),
     Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="qwen", sliding_window_needs_flag=True),
+    Architecture("granite", ("granite",), "granite"),
+    Architecture("gemma2", ("gemma2",), "gemma2", gemma=True, tied_embeddings=True, sliding_window_pattern=2),
+    Architecture("gemma3", ("gemma3_text",), "gemma3", gemma=True, tied_embeddings=True, qk_norm=True,
+                 sliding_window_pattern=6),
+    Architecture("phi3", ("phi3",), "phi3", fused_projections=True),
 )}
 
 HF_MODEL_TYPES = {t: a for a in ARCHITECTURES.values() for t in a.hf_model_types}

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
 from .architectures import HF_MODEL_TYPES, Architecture
-from .spec import ModelSpec, RopeSpec
+from .spec import HIDDEN_ACTIVATIONS, ModelSpec, RopeSpec
 
 _MAX_SHARDS = 4096
 
@@ -46,6 +46,7 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
         num_heads = int(config["num_attention_heads"])
         hidden_size = int(config["hidden_size"])
         eos = config.get("eos_token_id")
+        rope, local_rope = _rope_from_config(config)
         spec = ModelSpec(
             architecture=arch.name,
             vocab_size=int(config["vocab_size"]),
@@ -56,11 +57,17 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_dim=int(config.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_config(config),
+            rope=rope,
+            local_rope=local_rope,
             max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", arch.tied_embeddings)),
+            # Where config.json says attention_bias, every attention projection has one (o_proj
+            # too); Qwen2's q/k/v biases are the architecture's own.
             attention_bias=arch.attention_bias or bool(config.get("attention_bias", False)),
+            attention_out_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
             qk_norm=arch.qk_norm,
+            **_variant_fields(arch, config, hidden_size),
             sliding_window=_sliding_window(arch, config),
             full_attention_layers=_full_attention_layers(arch, config),
             bos_token_id=config.get("bos_token_id"),
@@ -101,6 +108,30 @@ def _moe_fields(arch: Architecture, config: dict[str, Any]) -> dict[str, Any]:
                          norm_topk_prob=bool(config.get("norm_topk_prob", False)), dense_mlp_layers=dense)
 
 
+def _variant_fields(arch: Architecture, config: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """How the model departs from Llama's arithmetic: its activation, Gemma's norms and
+    scales, Granite's multipliers, soft caps, the attention's scale."""
+    act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if act not in HIDDEN_ACTIVATIONS:
+        raise LocalserveError(f"config.json: activation {act!r} is not supported "
+                              f"({', '.join(HIDDEN_ACTIVATIONS)})")
+    query_scalar = config.get("query_pre_attn_scalar")
+    attention_multiplier = config.get("attention_multiplier")
+    attention_scale = (float(query_scalar) ** -0.5 if arch.gemma and query_scalar
+                       else float(attention_multiplier) if attention_multiplier is not None else None)
+    return dict(
+        hidden_act=HIDDEN_ACTIVATIONS[act],
+        norm_weight_offset=1.0 if arch.gemma else 0.0,
+        sandwich_norms=arch.gemma,
+        embedding_scale=hidden_size**0.5 if arch.gemma else float(config.get("embedding_multiplier") or 1.0),
+        residual_scale=float(config.get("residual_multiplier") or 1.0),
+        logit_scale=1.0 / float(config.get("logits_scaling") or 1.0),
+        attention_scale=attention_scale,
+        attention_softcap=float(config.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(config.get("final_logit_softcapping") or 0.0),
+    )
+
+
 def _sliding_window(arch: Architecture, config: dict[str, Any]) -> int | None:
     # Qwen2 ships a sliding_window value but only uses it when use_sliding_window is set.
     if arch.sliding_window_needs_flag and not config.get("use_sliding_window", False):
@@ -118,37 +149,64 @@ def _full_attention_layers(arch: Architecture, config: dict[str, Any]) -> tuple[
     num_layers = int(config["num_hidden_layers"])
     if config.get("layer_types"):
         return tuple(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
+    pattern = config.get("sliding_window_pattern") or arch.sliding_window_pattern
+    if pattern:  # Gemma: every pattern-th layer attends to everything
+        return tuple(i for i in range(num_layers) if (i + 1) % int(pattern) == 0)
     if arch.sliding_window_needs_flag:
         return tuple(range(min(int(config.get("max_window_layers", num_layers)), num_layers)))
     return ()
 
 
-def _rope_from_config(config: dict[str, Any]) -> RopeSpec:
+def _rope_from_config(config: dict[str, Any]) -> tuple[RopeSpec, RopeSpec | None]:
+    """The rotary settings of the full-attention layers, and the sliding layers' own when
+    they differ (Gemma 3: ``rope_local_base_freq``, or transformers 5's ``rope_parameters``
+    keyed by layer type)."""
     # transformers 5 writes rope_parameters (theta inside); older files rope_theta + rope_scaling.
     params = dict(config.get("rope_parameters") or {})
+    if "full_attention" in params or "sliding_attention" in params:
+        by_type = {kind: _rope_spec(config, dict(params.get(kind) or {})) for kind in ("full_attention",
+                                                                                     "sliding_attention")}
+        return by_type["full_attention"], by_type["sliding_attention"]
     scaling = dict(config.get("rope_scaling") or {})
-    merged = {**scaling, **params}
+    rope = _rope_spec(config, {**scaling, **params})
+    local_theta = config.get("rope_local_base_freq")
+    local = RopeSpec(theta=float(local_theta)) if local_theta is not None else None
+    return rope, local
+
+
+_ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+
+def _rope_spec(config: dict[str, Any], merged: dict[str, Any]) -> RopeSpec:
     theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = merged.get("rope_type") or merged.get("type") or "default"
-    rope = RopeSpec(
+    if kind not in _ROPE_KINDS:
+        raise LocalserveError(f"rope type {kind!r} is not supported (supported: {', '.join(_ROPE_KINDS)})")
+    max_position = int(config.get("max_position_embeddings", 8192))
+    original = merged.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if kind in ("llama3", "yarn", "dynamic", "longrope") and original is None:
+        original = max_position
+    factor = merged.get("factor")
+    if factor is None:  # longrope (Phi-3) states the growth as the two context lengths
+        factor = max_position / int(original) if kind == "longrope" else 1.0
+    return RopeSpec(
         theta=float(theta),
         kind=kind,
-        factor=float(merged.get("factor", 1.0)),
-        original_max_position=merged.get("original_max_position_embeddings"),
+        factor=float(factor),
+        original_max_position=int(original) if original is not None else None,
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         beta_fast=float(merged.get("beta_fast", 32.0)),
         beta_slow=float(merged.get("beta_slow", 1.0)),
         attention_factor=merged.get("attention_factor"),
         partial_rotary_factor=float(merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
+        short_factor=_floats(merged.get("short_factor")),
+        long_factor=_floats(merged.get("long_factor")),
     )
-    if rope.kind not in ("default", "linear", "llama3", "yarn"):
-        raise LocalserveError(
-            f"rope type {rope.kind!r} is not supported (supported: default, linear, llama3, yarn)"
-        )
-    if rope.kind in ("llama3", "yarn") and rope.original_max_position is None:
-        rope.original_max_position = int(config.get("max_position_embeddings", 8192))
-    return rope
+
+
+def _floats(values: Any) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(v) for v in values)
 
 
 def shard_files(model_dir: Path) -> list[Path]:

@@ -59,18 +59,20 @@ def layout(spec: ModelSpec) -> Layout:
         shapes["lm_head.weight"] = (spec.vocab_size, hidden)
     for layer in range(spec.num_layers):
         prefix = f"model.layers.{layer}."
-        for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
-            shapes[f"{prefix}self_attn.{name}_proj.weight"] = (rows, hidden)
-            if spec.attention_bias:
-                shapes[f"{prefix}self_attn.{name}_proj.bias"] = (rows,)
-        shapes[f"{prefix}self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        q, kv = heads * head_dim, kv_heads * head_dim
+        projections = [("qkv", q + 2 * kv)] if arch.fused_projections else [("q", q), ("k", kv), ("v", kv)]
+        for name, rows in projections:
+            _linear(shapes, f"{prefix}self_attn.{name}_proj.", rows, hidden, spec.attention_bias)
+        _linear(shapes, f"{prefix}self_attn.o_proj.", hidden, q, spec.attention_out_bias)
         if spec.qk_norm:
             shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
             shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
-        shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
-        shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if spec.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        shapes.update((f"{prefix}{norm}.weight", (hidden,)) for norm in norms)
         if not spec.is_moe_layer(layer):
-            _mlp(shapes, f"{prefix}mlp.", hidden, spec.intermediate_size)
+            _mlp(shapes, f"{prefix}mlp.", hidden, spec.intermediate_size, spec.mlp_bias, arch.fused_projections)
             continue
         block = f"{prefix}{arch.moe_block}."
         shapes[f"{block}gate.weight"] = (spec.num_experts, hidden)
@@ -88,10 +90,20 @@ def layout(spec: ModelSpec) -> Layout:
     return result
 
 
-def _mlp(shapes: dict[str, tuple[int, ...]], prefix: str, hidden: int, width: int) -> None:
-    shapes[f"{prefix}gate_proj.weight"] = (width, hidden)
-    shapes[f"{prefix}up_proj.weight"] = (width, hidden)
-    shapes[f"{prefix}down_proj.weight"] = (hidden, width)
+def _linear(shapes: dict[str, tuple[int, ...]], prefix: str, rows: int, columns: int, bias: bool) -> None:
+    shapes[f"{prefix}weight"] = (rows, columns)
+    if bias:
+        shapes[f"{prefix}bias"] = (rows,)
+
+
+def _mlp(shapes: dict[str, tuple[int, ...]], prefix: str, hidden: int, width: int, bias: bool = False,
+         fused: bool = False) -> None:
+    if fused:  # Phi-3: gate and up stacked in one tensor
+        _linear(shapes, f"{prefix}gate_up_proj.", 2 * width, hidden, bias)
+    else:
+        _linear(shapes, f"{prefix}gate_proj.", width, hidden, bias)
+        _linear(shapes, f"{prefix}up_proj.", width, hidden, bias)
+    _linear(shapes, f"{prefix}down_proj.", hidden, width, bias)
 
 
 # -- a checkpoint's files against the layout --------------------------------------------------

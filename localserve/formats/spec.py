@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,18 +10,22 @@ from typing import Any
 
 @dataclass(slots=True)
 class RopeSpec:
-    """Rotary embedding settings. ``kind``: default, linear, llama3 or yarn."""
+    """Rotary embedding settings. ``kind``: default, linear, llama3, yarn, dynamic (NTK) or
+    longrope (Phi-3)."""
 
     theta: float = 10000.0
     kind: str = "default"
     factor: float = 1.0
-    # llama3 and yarn: the context length the model was pre-trained at.
+    # llama3, yarn, dynamic and longrope: the context length the model was pre-trained at.
     original_max_position: int | None = None
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: cos/sin scale; None = derived from factor
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale; None = derived from factor
+    # longrope: per-pair divisors of the frequencies, for contexts within the original and beyond it.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
     partial_rotary_factor: float = 1.0
     # GGUF's rope_freqs tensor: each pair's frequency is divided by its factor.
     freq_factors: tuple[float, ...] | None = None
@@ -36,6 +41,10 @@ _CEILINGS = {
 }
 _POSITIVE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
              "max_position_embeddings")
+
+
+# config.json's activation names -> ours (the gated MLP's gate goes through it).
+HIDDEN_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(slots=True)
@@ -54,8 +63,20 @@ class ModelSpec:
     rope: RopeSpec
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projection biases (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2, Llama's attention_bias)
+    attention_out_bias: bool = False  # an o_proj bias (Llama's attention_bias)
+    mlp_bias: bool = False  # gate/up/down biases (Llama's mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the gate's activation: silu, or gelu_tanh (Gemma)
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorms scale by 1 + weight, in fp32
+    sandwich_norms: bool = False  # Gemma 2/3: norms on the attention's and the MLP's outputs too
+    embedding_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite's multiplier)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    attention_scale: float | None = None  # q.k times this; None: 1/sqrt(head_dim)
+    attention_softcap: float = 0.0  # > 0: attention scores soft-capped (Gemma 2)
+    final_softcap: float = 0.0  # > 0: logits soft-capped (Gemma 2)
+    local_rope: RopeSpec | None = None  # the sliding layers' own rotary settings (Gemma 3)
     sliding_window: int | None = None  # tokens a sliding-window layer attends back over (itself included)
     full_attention_layers: tuple[int, ...] = ()  # with a sliding window: the layers that attend to everything
     bos_token_id: int | None = None
@@ -70,8 +91,16 @@ class ModelSpec:
     dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def query_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
     def window_of(self, layer: int) -> int | None:
-        """The sliding window layer ``layer`` attends within, or None for full attention."""
+        """The sliding window layer ``layer`` attends within, or None for full attention
+        (also where the window is as long as the context, as Phi-3.5's 262,144 over
+        131,072 is: it limits nothing)."""
+        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+            return None
         return None if layer in self.full_attention_layers else self.sliding_window
 
     def check(self, names: Mapping[str, str]) -> str | None:
@@ -87,6 +116,18 @@ class ModelSpec:
                 return f"{said(name)} is outside {low}..{ceiling:,}"
         if self.sliding_window is not None and not 1 <= self.sliding_window <= _CEILINGS["max_position_embeddings"]:
             return f"{said('sliding_window')} is outside 1..{_CEILINGS['max_position_embeddings']:,}"
+        for name in ("embedding_scale", "residual_scale", "logit_scale", "attention_scale", "attention_softcap",
+                     "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and 0 <= value < 1e6):
+                return f"{names.get(name, name)} {value} is not a finite number in 0..1e6"
+        if self.hidden_act not in HIDDEN_ACTIVATIONS.values():
+            return f"activation {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTIVATIONS)})"
+        for rope in (self.rope, self.local_rope):
+            if rope is not None and rope.kind == "longrope":
+                pairs = int(self.head_dim * rope.partial_rotary_factor) // 2
+                if not len(rope.short_factor or ()) == len(rope.long_factor or ()) == pairs:
+                    return f"longrope needs {pairs} short and long factors (one per rotated pair)"
         if self.num_heads % self.num_kv_heads:
             return f"{said('num_heads')} is not a multiple of {said('num_kv_heads')}"
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -104,15 +145,16 @@ class ModelSpec:
         hidden, heads, kv_heads, head_dim = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         q, kv = heads * head_dim, kv_heads * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if self.attention_bias else 0)
-        attention += 2 * head_dim if self.qk_norm else 0
-        norms = 2 * hidden
+        attention += (2 * head_dim if self.qk_norm else 0) + (hidden if self.attention_out_bias else 0)
+        norms = (4 if self.sandwich_norms else 2) * hidden
+        mlp = 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden if self.mlp_bias else 0)
         total = active = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2) + hidden
         for layer in range(self.num_layers):
             total += attention + norms
             active += attention + norms
             if not self.is_moe_layer(layer):
-                total += 3 * hidden * self.intermediate_size
-                active += 3 * hidden * self.intermediate_size
+                total += mlp
+                active += mlp
                 continue
             expert = 3 * hidden * self.moe_intermediate_size
             always = self.num_experts * hidden  # the router

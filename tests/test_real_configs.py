@@ -1,0 +1,89 @@
+"""config.json files shaped as the Hub publishes them for the architectures beyond Llama
+(their documented values; the tensors are never needed): the spec read from each counts
+the parameters transformers' own model has when built from the same file (on the meta
+device, nothing allocated), and ``show`` states the sliding window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from localserve.facts.checkpoint import _windows
+from localserve.formats.hf import spec_from_config
+
+GEMMA_2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "bos_token_id": 2, "eos_token_id": [1, 107],
+    "cache_implementation": "hybrid", "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "intermediate_size": 9216,
+    "max_position_embeddings": 8192, "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "sliding_window": 4096, "torch_dtype": "float32", "vocab_size": 256000,
+}
+GEMMA_3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+    "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "vocab_size": 262144,
+}
+PHI_3_5_MINI = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu", "hidden_size": 3072,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"type": "longrope", "long_factor": [1.0 + i for i in range(48)],
+                     "short_factor": [1.0 + i / 48 for i in range(48)]},
+    "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": False, "vocab_size": 32064,
+    "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000,
+}
+GRANITE_3_1_2B = {
+    "architectures": ["GraniteForCausalLM"], "model_type": "granite", "attention_bias": False,
+    "attention_multiplier": 0.015625, "embedding_multiplier": 12.0, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 8192, "logits_scaling": 8.0, "max_position_embeddings": 131072, "mlp_bias": False,
+    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05, "rope_theta": 5000000.0, "tie_word_embeddings": True, "vocab_size": 49155,
+}
+
+CASES = {
+    "gemma-2-2b": (GEMMA_2_2B, "; a sliding window of 4,096 on 13 of 26 layers"),
+    "gemma-3-1b": (GEMMA_3_1B, "; a sliding window of 512 on 22 of 26 layers"),
+    # Its window is longer than its context: it limits nothing, and is not one.
+    "phi-3.5-mini": (PHI_3_5_MINI, ""),
+    "granite-3.1-2b": (GRANITE_3_1_2B, ""),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_parameter_counts_and_windows_of_real_configs(tmp_path: Path, name: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config, windows = CASES[name]
+    spec = spec_from_config(json.loads(json.dumps(config)))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    assert spec.parameter_counts().total == reference.num_parameters()
+    assert _windows(spec) == windows
+
+
+def test_gemma_and_granite_read_as_their_references_compute() -> None:
+    """The settings that are not sizes: Gemma's scales and caps, Gemma 3's two rotary
+    bases, Granite's multipliers, Phi-3.5's longrope."""
+    gemma2 = spec_from_config(dict(GEMMA_2_2B))
+    assert (gemma2.attention_softcap, gemma2.final_softcap, gemma2.query_scale) == (50.0, 30.0, 256**-0.5)
+    assert gemma2.embedding_scale == 2304**0.5 and gemma2.norm_weight_offset == 1.0 and gemma2.hidden_act == "gelu_tanh"
+    assert gemma2.full_attention_layers == tuple(range(1, 26, 2))
+    gemma3 = spec_from_config(dict(GEMMA_3_1B))
+    assert gemma3.rope.theta == 1e6 and gemma3.local_rope is not None and gemma3.local_rope.theta == 1e4
+    assert gemma3.full_attention_layers == (5, 11, 17, 23) and gemma3.qk_norm
+    granite = spec_from_config(dict(GRANITE_3_1_2B))
+    assert (granite.embedding_scale, granite.residual_scale, granite.attention_scale, granite.logit_scale) == (
+        12.0, 0.22, 0.015625, 1 / 8)
+    phi = spec_from_config(dict(PHI_3_5_MINI))
+    assert phi.rope.kind == "longrope" and phi.rope.original_max_position == 4096 and phi.rope.factor == 32.0
+    assert phi.window_of(0) is None
