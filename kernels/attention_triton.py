@@ -200,8 +200,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
-    scale,
-    softcap,  # with SOFTCAP: scores pass through softcap * tanh(s / softcap)
+    score_scale,  # q.k times this: scale * log2(e); with SOFTCAP, scale / softcap
+    softcap_log2,  # with SOFTCAP: softcap * log2(e), what tanh's output is scaled by
     window,  # sliding window in tokens; 0: none
     stride_qt,
     stride_qh,
@@ -314,10 +314,10 @@ def _paged_attention_kernel(
         # "ieee" only matters for fp32 inputs, which would otherwise go through TF32
         # (~1e-3 error); fp16/bf16 use tensor cores either way.
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if SOFTCAP:
-            s = _tanh(s * (scale / softcap)) * (softcap * _LOG2E)
+        if SOFTCAP:  # softcap * tanh(scale * q.k / softcap), in log2 units
+            s = _tanh(s * score_scale) * softcap_log2
         else:
-            s = s * (scale * _LOG2E)
+            s = s * score_scale
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
         if window > 0:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
@@ -368,14 +368,13 @@ def _load_dequantized(code_ptrs, scale_ptrs, mask, row_valid):
     return tl.where(mask, codes * scales[:, None], 0.0)
 
 
-def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool = False,
-                  softcap: bool = False) -> tuple[int, int]:
+def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool = False) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) heuristics: small tiles for decode, larger for prefill, and
     smaller for wide heads to keep the fp32 accumulator within registers. An 8-bit
     cache's tiles are dequantized to fp32 in registers too, so with wide heads they are
-    smaller again, as are soft-capped tiles of heads over 128 (Gemma 2's 256): the sizes
-    below are the largest that do not spill on sm_80 to sm_90 at 8 warps
-    (scripts/triton_aot.py)."""
+    smaller again, as are the key tiles of heads over 128 (Gemma's 256; with the sliding
+    window's and the soft cap's code, 32 keys spill on sm_90): the sizes below are the
+    largest that do not spill on sm_80 to sm_90 at 8 warps (scripts/triton_aot.py)."""
     dim_pad = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
     wide = dim_pad > 64
@@ -386,7 +385,7 @@ def _choose_tiles(max_query_len: int, group: int, head_dim: int, quantized: bool
         block_m = 32 if dim_pad <= 128 else 16
     else:
         block_m = 64 if dim_pad <= 128 else 32
-    block_n = 16 if (quantized and wide) or (softcap and dim_pad > 128) else 32 if wide else 64
+    block_n = 16 if (quantized and wide) or dim_pad > 128 else 32 if wide else 64
     return max(block_m, group_pad, _MIN_DOT_DIM), max(block_n, _MIN_DOT_DIM)
 
 
@@ -408,7 +407,7 @@ def paged_attention(
     window is given; ``softcap`` and ``sinks`` as ``attention.paged_attention`` says.
     Returns a tensor of the query's shape and dtype."""
     block_m, block_n = _choose_tiles(meta.max_query_len, _group_size(query, k_cache), query.shape[2],
-                                     quantized=k_scale is not None, softcap=softcap > 0)
+                                     quantized=k_scale is not None)
     return _paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks,
                             block_m=block_m, block_n=block_n)
 
@@ -474,8 +473,8 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables,
         query_start_loc,
         seq_lens,
-        scale,
-        softcap,
+        scale / softcap if softcap > 0 else scale * _LOG2E.value,
+        softcap * _LOG2E.value,
         window,
         *query.stride(),
         *out.stride(),

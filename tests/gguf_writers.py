@@ -28,15 +28,24 @@ MOE_TO_GGUF = {
     "gate": "ffn_gate_inp", "shared_expert.gate_proj": "ffn_gate_shexp", "shared_expert.up_proj": "ffn_up_shexp",
     "shared_expert.down_proj": "ffn_down_shexp", "shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Gemma's norms, as llama.cpp's converter names them.
+GEMMA_NORMS_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                       "post_feedforward_layernorm": "post_ffw_norm"}
 # transformers model_type -> GGUF architecture
-GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+                      "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# The converter permutes Q/K rows for these (its Llama model and subclasses).
+PERMUTED_QK = {"llama", "granite"}
+GEMMA = {"gemma2", "gemma3"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in HF_TO_GGUF:
         return HF_TO_GGUF[hf_name]
     parts = hf_name.split(".")  # model.layers.N.<module...>.weight
     layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    if arch in GEMMA and module in GEMMA_NORMS_TO_GGUF:
+        return f"blk.{layer}.{GEMMA_NORMS_TO_GGUF[module]}.{kind}"
     if module.startswith("mlp.") and module.removeprefix("mlp.") in MOE_TO_GGUF:
         return f"blk.{layer}.{MOE_TO_GGUF[module.removeprefix('mlp.')]}.{kind}"
     return f"blk.{layer}.{LAYER_TO_GGUF[module]}.{kind}"
@@ -51,10 +60,15 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     Q/K rows permuted for arch llama, each layer's experts stacked per projection
     (``ffn_gate_exps [E, I, H]`` ...), the shared expert's gate a vector."""
     config = model.config
-    llama = GGUF_ARCHITECTURES[config.model_type] == "llama"
+    arch = GGUF_ARCHITECTURES[config.model_type]
+    llama = arch in PERMUTED_QK
     tensors = {}
     for name, tensor in model.state_dict().items():
         array = tensor.float().numpy()
+        if arch in GEMMA and name.endswith("norm.weight"):
+            array = array + 1  # the converter stores Gemma's norms as 1 + w
+        if arch in GEMMA and name == "lm_head.weight":
+            continue  # tied
         if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5 keeps experts stacked, gate and up fused
             gate, up = np.split(array, 2, axis=1)
             tensors[expert_tensor(name, "gate")] = np.ascontiguousarray(gate)
@@ -69,7 +83,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             array = permute_rows(array, config.num_attention_heads)
         elif llama and name.endswith("k_proj.weight"):
             array = permute_rows(array, config.num_key_value_heads)
-        tensors[gguf_name(name)] = np.ascontiguousarray(array)
+        tensors[gguf_name(name, arch)] = np.ascontiguousarray(array)
     return tensors
 
 
@@ -131,7 +145,18 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(float((config.rope_parameters or {}).get("rope_theta", 10000.0)))
+    rope = config.rope_parameters or {}
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 10000.0)))
+    if arch == "granite":
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    if arch in GEMMA:
+        writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -171,15 +196,20 @@ def dequantized_reference(path: Path, model):
         values[tensor.name] = np.array(array.reshape([int(d) for d in reversed(tensor.shape)]), dtype=np.float32)
     # Undo gguf_tensors: each model tensor from the file's tensors that made it.
     config = model.config
-    llama = GGUF_ARCHITECTURES[config.model_type] == "llama"
+    arch = GGUF_ARCHITECTURES[config.model_type]
+    llama = arch in PERMUTED_QK
     state = {}
     for name, tensor in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if arch in GEMMA and name == "lm_head.weight":
+            array = values["token_embd.weight"]
+        elif name.endswith("mlp.experts.gate_up_proj"):
             array = np.concatenate([values[expert_tensor(name, "gate")], values[expert_tensor(name, "up")]], axis=1)
         elif name.endswith("mlp.experts.down_proj"):
             array = values[expert_tensor(name, "down")]
         else:
-            array = values[gguf_name(name)]
+            array = values[gguf_name(name, arch)]
+            if arch in GEMMA and name.endswith("norm.weight"):
+                array = array - 1
             if llama and name.endswith("q_proj.weight"):
                 array = unpermute_rows(array, config.num_attention_heads)
             elif llama and name.endswith("k_proj.weight"):
@@ -211,6 +241,36 @@ def tiny_moe(kind: str, seed: int = 5):
     reinitialise(model, seed=seed)
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(hidden**0.5)
+    return model.eval()
+
+
+def tiny_variant(kind: str, seed: int = 7):
+    """Granite, Gemma 2 and Gemma 3 at widths every GGUF type can hold (rows of 256): the
+    variants' settings as in tests/conftest.py's tiny configs, with a sliding window of 12
+    over 4 layers (Gemma 3: its 6th layer full), initialised as ``tiny_llama``."""
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig)
+
+    hidden = 256
+    base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    if kind == "granite":
+        config = GraniteConfig(**base, tie_word_embeddings=False, embedding_multiplier=12.0,
+                               residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+    elif kind == "gemma2":
+        config = Gemma2Config(**base, head_dim=64, query_pre_attn_scalar=64, sliding_window=12,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    else:
+        config = Gemma3TextConfig(**{**base, "num_hidden_layers": 6}, head_dim=64, query_pre_attn_scalar=64,
+                                  sliding_window=12,
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+    reinitialise(model, seed=seed)
+    if kind == "granite":  # unit-scale residual stream, as tiny_llama's (Gemma scales its own)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(hidden**0.5 / config.embedding_multiplier)
     return model.eval()
 
 

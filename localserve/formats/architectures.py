@@ -41,7 +41,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen2_moe", ("qwen2_moe",), "qwen2moe", attention_bias=True, moe="qwen", renormalize_gates=False,
                  sliding_window_needs_flag=True),
     Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="qwen", sliding_window_needs_flag=True),
-    Architecture("granite", ("granite",), "granite"),
+    Architecture("granite", ("granite",), "granite", gguf_permuted_qk=True),
     Architecture("gemma2", ("gemma2",), "gemma2", gemma=True, tied_embeddings=True, sliding_window_pattern=2),
     Architecture("gemma3", ("gemma3_text",), "gemma3", gemma=True, tied_embeddings=True, qk_norm=True,
                  sliding_window_pattern=6),

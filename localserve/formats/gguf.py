@@ -1,5 +1,5 @@
-"""GGUF files' metadata (llama, qwen2, qwen3 architectures; Mixtral as llama with
-experts, qwen2moe, qwen3moe) -> ModelSpec and chat template, and the map from GGUF
+"""GGUF files' metadata (llama, qwen2, qwen3, granite, gemma2, gemma3 architectures; Mixtral
+as llama with experts, qwen2moe, qwen3moe) -> ModelSpec and chat template, and the map from GGUF
 tensor names to HF's (the experts' stacked ``*_exps`` tensors to
 ``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert). Needs no
 torch: formats/weights.py turns the tensors into weights.
@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import LocalserveError
 from ..text.chat_template import ChatTemplate
-from .architectures import ARCHITECTURES, GGUF_NAMES, by_gguf
+from .architectures import ARCHITECTURES, GGUF_NAMES, Architecture, by_gguf
 from .gguf_file import GGUFFile
 from .spec import ModelSpec, RopeSpec
 
@@ -47,6 +47,13 @@ MOE_NAMES = {
     "ffn_up_shexp": "shared_expert.up_proj",
     "ffn_down_shexp": "shared_expert.down_proj",
 }
+# Gemma's four norms: llama.cpp calls the pre-MLP norm ffn_norm, as for Llama, and adds the
+# attention's and the MLP's output norms.
+_GEMMA_NORMS = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Per-dimension rotary frequency divisors (llama.cpp's form of llama3 rope scaling).
 ROPE_FREQS = "rope_freqs.weight"
@@ -56,6 +63,8 @@ def hf_name(name: str, architecture: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = LAYER_TENSOR.fullmatch(name)
+    if match and ARCHITECTURES[architecture].gemma and match[2] in _GEMMA_NORMS:
+        return f"model.layers.{match[1]}.{_GEMMA_NORMS[match[2]]}.{match[3]}"
     if match and match[2] in _LAYER_NAMES:
         return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
     if match and match[2] in MOE_NAMES:
@@ -137,6 +146,7 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         shared_expert_intermediate_size=_shared_expert_width(gguf),
         # llama.cpp renormalises the chosen gates for Mixtral and Qwen3-MoE, not Qwen2-MoE.
         norm_topk_prob=architecture.renormalize_gates,
+        **_variant_fields(md, architecture, hidden, heads, head_dim),
     )
     problem = spec.check({field: f"{arch}.{key}" for field, key in _METADATA_KEYS.items()})
     if problem:
@@ -150,6 +160,36 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise LocalserveError(f"{gguf.path}: token_embd.weight is {embed.shape}, not {vocab} x embedding_length "
                               f"{hidden:,}")
     return spec
+
+
+def _variant_fields(md: _Metadata, architecture: Architecture, hidden: int, heads: int,
+                    head_dim: int) -> dict[str, Any]:
+    """Granite's multipliers, Gemma's scales, soft caps and windows, as llama.cpp reads
+    them; what llama.cpp fixes in code rather than the file (Gemma's window pattern and
+    local rotary base, its attention scale) is fixed here the same way."""
+    fields: dict[str, Any] = dict(
+        embedding_scale=md.get("embedding_scale", float, 1.0),
+        residual_scale=md.get("residual_scale", float, 1.0),
+        logit_scale=1.0 / (md.get("logit_scale", float, 1.0) or 1.0),
+        attention_scale=md.get("attention.scale", float, None),
+        attention_softcap=md.get("attn_logit_softcapping", float, 0.0),
+        final_softcap=md.get("final_logit_softcapping", float, 0.0),
+    )
+    if not architecture.gemma:
+        return fields
+    layers = md.get("block_count", int)
+    pattern = architecture.sliding_window_pattern or 1
+    # The 27B models scale queries by hidden / heads, the others by the head size.
+    large = (architecture.name, layers) in (("gemma2", 46), ("gemma3", 62))
+    window = md.get("attention.sliding_window", int, 4096 if architecture.name == "gemma2" else None)
+    return fields | dict(
+        # llama.cpp's converter stores Gemma's norm weights as 1 + w already.
+        hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=hidden**0.5,
+        attention_scale=(hidden // heads if large else head_dim) ** -0.5,
+        sliding_window=window or None,
+        full_attention_layers=tuple(i for i in range(layers) if (i + 1) % pattern == 0) if window else (),
+        local_rope=RopeSpec(theta=10000.0) if architecture.name == "gemma3" else None,
+    )
 
 
 # What GGUF metadata calls the spec's fields (under "<arch>.").
