@@ -14,7 +14,7 @@ from localserve.formats.layout import IGNORED_SUFFIXES, layout
 from localserve.formats.spec import ModelSpec
 from localserve.kernels.quant_weight import QuantWeight
 
-from .layers import Linear
+from .layers import Linear, RMSNorm
 from .llama import LlamaForCausalLM
 
 
@@ -37,10 +37,7 @@ def build(
         raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):
         model = LlamaForCausalLM(spec, max_position, device)
-    # Parameters only: the rotary cos/sin tables stay fp32 like the references keep them.
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
-    model.dtype = dtype
+    model.cast(dtype)
 
     def finalize(linear: Linear) -> None:
         linear.finalize(device, dtype, int8_cpu=int8_cpu)
@@ -49,6 +46,9 @@ def build(
     # Each projection is finalized as soon as its last part arrives, and what its
     # checkpoint layout held is handed back, so the peak stays near one copy of the model.
     load_weights(model, weights, on_complete=finalize)
+    for norm in model.modules():
+        if isinstance(norm, RMSNorm):
+            norm.fold_offset()
     for layer, experts in model.experts():
         experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype, int8_cpu=int8_cpu)
         _return_freed_heap()

@@ -16,7 +16,8 @@ Weight = torch.Tensor | QuantWeight | TiledWeight
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``; with an ``offset`` (Gemma: 1), ``* (offset + weight)``
-    computed in fp32 before the cast back, as Gemma's reference does."""
+    computed in fp32 before the cast back, as Gemma's reference does: ``fold_offset``
+    turns the loaded weight into that fp32 gain once."""
 
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -24,10 +25,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fold_offset(self) -> None:
+        """After loading: weight := fp32 (offset + weight), so no step adds it again."""
         if self.offset:
-            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-            return (normed * (self.weight.float() + self.offset)).to(x.dtype)
+            self.weight.data = self.weight.data.float() + self.offset
+            self.offset = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != x.dtype:  # a folded fp32 gain: multiply in fp32, then cast back
+            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # one fused op instead of six (they dominate a CPU decode step's glue)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the model dtype, as the reference implementations do.

@@ -119,6 +119,17 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_weight_offset)
         self.lm_head = self.embed if spec.tie_word_embeddings else Linear(spec.hidden_size, [spec.vocab_size])
         self.dtype = torch.float32
+        self.embedding_scale = spec.embedding_scale
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Parameters to ``dtype`` (the rotary cos/sin tables stay fp32, as the references
+        keep them), and the embedding scale rounded to it, as transformers' Gemma rounds
+        its normalizer (sqrt(2304) is exact anyway, sqrt(1152) is not; Granite's 12 is
+        exact in every dtype)."""
+        for param in self.parameters():
+            param.data = param.data.to(dtype)
+        self.dtype = dtype
+        self.embedding_scale = torch.tensor(self.spec.embedding_scale, dtype=dtype).item()
 
     def forward(
         self,
@@ -129,10 +140,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V."""
         x = self.embed.lookup(input_ids, self.dtype)
-        if self.spec.embedding_scale != 1.0:
-            # Rounded to the model dtype first, as transformers' Gemma does (sqrt(2304) is exact
-            # anyway, sqrt(1152) is not); Granite's 12 is exact in every dtype.
-            x = x * torch.tensor(self.spec.embedding_scale, dtype=x.dtype).item()
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
         ropes = [self.rotary.lookup(positions, x.dtype)]
         if self.local_rotary is not None:
             ropes.append(self.local_rotary.lookup(positions, x.dtype))
