@@ -1,8 +1,8 @@
 """The Llama family: Llama 1/2/3 (biases optional), Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k
 norm), Granite (multipliers), Phi-3 (fused projections, longrope), Gemma 2 and 3 (GeGLU,
 (1 + w) norms around both blocks, scaled embeddings, soft caps, local and global layers
-with their own rotary bases), and the mixture-of-experts kin Mixtral, Qwen2-MoE and
-Qwen3-MoE (a SparseMoE block in place of the MLP).
+with their own rotary bases), and the mixture-of-experts kin Mixtral, Qwen2-MoE,
+Qwen3-MoE and OLMoE (a SparseMoE block in place of the MLP).
 
 One module serves them all; the spec's fields switch the differences. Q/K/V and
 gate/up projections are fused into single matmuls where the weights' layouts allow,
@@ -40,8 +40,10 @@ class Attention(nn.Module):
         self.qkv = Linear(spec.hidden_size, parts, bias=spec.attention_bias)
         self.o_proj = Linear(self.q_size, [spec.hidden_size], bias=spec.attention_out_bias)
         offset = spec.norm_weight_offset
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps, offset) if spec.qk_norm else None
+        self.q_norm = RMSNorm(spec.qk_norm_size(self.q_size), spec.rms_norm_eps, offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.qk_norm_size(self.kv_size), spec.rms_norm_eps, offset) if spec.qk_norm else None
+        self.qk_norm_whole = ARCHITECTURES[spec.architecture].qk_norm_whole
+        self.clip_qkv = spec.clip_qkv
         self.rotary = rotary
         self.scale = spec.query_scale
         self.softcap = spec.attention_softcap
@@ -57,19 +59,31 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
+            qkv = self._clip(qkv)
+            v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
             # Q and K heads side by side in each row: one rotation for both (fewer small ops
             # per layer, which is what a decode step at batch 1 spends most of its time on).
             qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = self.rotary.apply(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            q = self.q_norm(qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(-1, self.num_kv_heads, self.head_dim))
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if self.qk_norm_whole:  # OLMoE: one norm over all heads' q, one over all k, then the clip
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = self._clip(q), self._clip(k), self._clip(v)
+            q = q.reshape(-1, self.num_heads, self.head_dim)
+            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            if not self.qk_norm_whole:  # Qwen3, Gemma 3: each head normalised on its own
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
         write_kv(k, v, cache, meta.slot_mapping)
         out = paged_attention(q, cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+    def _clip(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.clip_qkv is None else x.clamp(-self.clip_qkv, self.clip_qkv)
 
 
 class DecoderLayer(nn.Module):

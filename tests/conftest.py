@@ -36,7 +36,7 @@ _BASE = dict(
 
 def _configs() -> dict[str, Callable[[], object]]:
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
         "llama": lambda: LlamaConfig(**_BASE),
@@ -105,10 +105,14 @@ def _configs() -> dict[str, Callable[[], object]]:
         "qwen3_moe": lambda: Qwen3MoeConfig(**_BASE, head_dim=32, num_experts=8, num_experts_per_tok=2,
                                             moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0],
                                             tie_word_embeddings=False),
+        # OLMoE: q/k norms over the whole projection, top-2 gates not renormalised, and
+        # clip_qkv low enough to clamp some of the tiny model's projections.
+        "olmoe": lambda: OlmoeConfig(**{**_BASE, "intermediate_size": 48}, num_experts=8, num_experts_per_tok=2,
+                                     clip_qkv=1.5),
     }
 
 
-MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 MODEL_KINDS = list(_configs())

@@ -1,4 +1,4 @@
-"""Tiny GGUF files (llama, Mixtral, Qwen2-MoE, Qwen3-MoE) written with gguf-py, and the independent
+"""Tiny GGUF files (llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite, Gemma) written with gguf-py, and the independent
 reference: an HF fp32 model carrying gguf-py's own dequantization of every tensor."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ GEMMA_NORMS_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_f
                        "post_feedforward_layernorm": "post_ffw_norm"}
 # transformers model_type -> GGUF architecture
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+                      "olmoe": "olmoe",
                       "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 # The converter permutes Q/K rows for these (its Llama model and subclasses).
 PERMUTED_QK = {"llama", "granite"}
@@ -157,10 +158,10 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if config.model_type != "mixtral":
+        if config.model_type not in ("mixtral", "olmoe"):  # their experts are feed_forward_length wide
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if config.model_type == "qwen2_moe":
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
@@ -221,10 +222,12 @@ def dequantized_reference(path: Path, model):
 
 
 def tiny_moe(kind: str, seed: int = 5):
-    """A two-layer Mixtral / Qwen2-MoE / Qwen3-MoE at widths every GGUF type can hold
-    (rows of 256), 4 experts, top-2; initialised as ``tiny_llama``, routers at 4x."""
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig
-    from transformers import Qwen3MoeForCausalLM
+    """A two-layer Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE at widths every GGUF type can
+    hold (rows of 256), 4 experts, top-2; initialised as ``tiny_llama``, routers at 4x.
+    OLMoE has as many K/V heads as query heads: llama.cpp sizes its k norm by the hidden
+    width, as the real OLMoE (16 and 16 heads) has it."""
+    from transformers import MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig
+    from transformers import Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     hidden = 256
     base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -232,6 +235,8 @@ def tiny_moe(kind: str, seed: int = 5):
                 bos_token_id=1, eos_token_id=2, num_experts_per_tok=2)
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**base, num_local_experts=4, sliding_window=None))
+    elif kind == "olmoe":
+        model = OlmoeForCausalLM(OlmoeConfig(**{**base, "num_key_value_heads": 4}, num_experts=4))
     elif kind == "qwen2_moe":
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**base, num_experts=4, moe_intermediate_size=256,
                                                    shared_expert_intermediate_size=256, norm_topk_prob=False))

@@ -1,4 +1,4 @@
-"""MoE GGUF files (Mixtral as arch llama with experts, qwen2moe, qwen3moe; experts in
+"""MoE GGUF files (Mixtral as arch llama with experts, qwen2moe, qwen3moe, olmoe; experts in
 stacked ``*_exps`` tensors): our logits against gguf-py's dequantization and against
 llama.cpp on the same file, for gguf-py's Q8_0/Q4_0 and llama.cpp's own Q4_K_M.
 
@@ -26,7 +26,7 @@ from .test_models import all_logits
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 NEAR_TIE = 0.1  # router logits are ~4 apart on average at the tiny models' 4x router scale
 
 

@@ -48,6 +48,14 @@ GRANITE_3_1_2B = {
     "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "residual_multiplier": 0.22,
     "rms_norm_eps": 1e-05, "rope_theta": 5000000.0, "tie_word_embeddings": True, "vocab_size": 49155,
 }
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": False, "clip_qkv": None,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 1024, "max_position_embeddings": 4096,
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "vocab_size": 50304, "bos_token_id": None, "eos_token_id": 50279,
+    "pad_token_id": 1,
+}
 
 CASES = {
     "gemma-2-2b": (GEMMA_2_2B, "; a sliding window of 4,096 on 13 of 26 layers"),
@@ -55,6 +63,7 @@ CASES = {
     # Its window is longer than its context: it limits nothing, and is not one.
     "phi-3.5-mini": (PHI_3_5_MINI, ""),
     "granite-3.1-2b": (GRANITE_3_1_2B, ""),
+    "olmoe-1b-7b": (OLMOE_1B_7B, ""),
 }
 
 

@@ -14,7 +14,8 @@ class Architecture:
     gguf_name: str | None  # GGUF general.architecture (None: found another way, see by_gguf)
     attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3)
-    moe: str | None = None  # the MoE config family: "mixtral" or "qwen"; None: dense
+    qk_norm_whole: bool = False  # the q/k RMSNorm spans all heads' q (and k) at once (OLMoE)
+    moe: str | None = None  # the MoE config family: "mixtral", "qwen" or "olmoe"; None: dense
     moe_block: str = "mlp"  # the HF module holding a layer's router and experts
     # Each expert's projections in HF checkpoints: gate, up, down (default: gate_proj, ...).
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
@@ -41,6 +42,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen2_moe", ("qwen2_moe",), "qwen2moe", attention_bias=True, moe="qwen", renormalize_gates=False,
                  sliding_window_needs_flag=True),
     Architecture("qwen3_moe", ("qwen3_moe",), "qwen3moe", qk_norm=True, moe="qwen", sliding_window_needs_flag=True),
+    # OLMoE: Qwen-like experts (no shared one), q/k norms over the whole projection, gates
+    # not renormalised (llama.cpp: never; transformers: norm_topk_prob, false in every release).
+    Architecture("olmoe", ("olmoe",), "olmoe", qk_norm=True, qk_norm_whole=True, moe="olmoe",
+                 renormalize_gates=False),
     Architecture("granite", ("granite",), "granite", gguf_permuted_qk=True),
     Architecture("gemma2", ("gemma2",), "gemma2", gemma=True, tied_embeddings=True, sliding_window_pattern=2),
     Architecture("gemma3", ("gemma3_text",), "gemma3", gemma=True, tied_embeddings=True, qk_norm=True,

@@ -99,6 +99,9 @@ def _moe_fields(arch: Architecture, config: dict[str, Any]) -> dict[str, Any]:
     if arch.moe == "mixtral":
         # Mixtral's experts are intermediate_size wide and its gates always renormalised.
         return fields | dict(moe_intermediate_size=int(config["intermediate_size"]))
+    if arch.moe == "olmoe":  # intermediate_size wide too; every layer sparse, no shared expert
+        return fields | dict(moe_intermediate_size=int(config["intermediate_size"]),
+                             norm_topk_prob=bool(config.get("norm_topk_prob", False)))
     # Qwen MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
     step = int(config.get("decoder_sparse_step") or 1)
     only_dense = {int(i) for i in config.get("mlp_only_layers") or []}
@@ -129,6 +132,7 @@ def _variant_fields(arch: Architecture, config: dict[str, Any], hidden_size: int
         attention_scale=attention_scale,
         attention_softcap=float(config.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(config.get("final_logit_softcapping") or 0.0),
+        clip_qkv=float(config["clip_qkv"]) if config.get("clip_qkv") is not None else None,
     )
 
 

@@ -65,8 +65,8 @@ def layout(spec: ModelSpec) -> Layout:
             _linear(shapes, f"{prefix}self_attn.{name}_proj.", rows, hidden, spec.attention_bias)
         _linear(shapes, f"{prefix}self_attn.o_proj.", hidden, q, spec.attention_out_bias)
         if spec.qk_norm:
-            shapes[f"{prefix}self_attn.q_norm.weight"] = (head_dim,)
-            shapes[f"{prefix}self_attn.k_norm.weight"] = (head_dim,)
+            shapes[f"{prefix}self_attn.q_norm.weight"] = (spec.qk_norm_size(q),)
+            shapes[f"{prefix}self_attn.k_norm.weight"] = (spec.qk_norm_size(kv),)
         norms = ["input_layernorm", "post_attention_layernorm"]
         if spec.sandwich_norms:
             norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]

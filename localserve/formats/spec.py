@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .architectures import ARCHITECTURES
+
 
 @dataclass(slots=True)
 class RopeSpec:
@@ -76,6 +78,7 @@ class ModelSpec:
     attention_scale: float | None = None  # q.k times this; None: 1/sqrt(head_dim)
     attention_softcap: float = 0.0  # > 0: attention scores soft-capped (Gemma 2)
     final_softcap: float = 0.0  # > 0: logits soft-capped (Gemma 2)
+    clip_qkv: float | None = None  # q, k and v clamped to +-this after their projection (OLMoE's option)
     local_rope: RopeSpec | None = None  # the sliding layers' own rotary settings (Gemma 3)
     sliding_window: int | None = None  # tokens a sliding-window layer attends back over (itself included)
     full_attention_layers: tuple[int, ...] = ()  # with a sliding window: the layers that attend to everything
@@ -117,7 +120,7 @@ class ModelSpec:
         if self.sliding_window is not None and not 1 <= self.sliding_window <= _CEILINGS["max_position_embeddings"]:
             return f"{said('sliding_window')} is outside 1..{_CEILINGS['max_position_embeddings']:,}"
         for name in ("embedding_scale", "residual_scale", "logit_scale", "attention_scale", "attention_softcap",
-                     "final_softcap"):
+                     "final_softcap", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and 0 <= value < 1e6):
                 return f"{names.get(name, name)} {value} is not a finite number in 0..1e6"
@@ -136,6 +139,13 @@ class ModelSpec:
             return f"{said('moe_intermediate_size')}: the experts' width must be positive"
         return None
 
+    def qk_norm_size(self, projection_width: int) -> int:
+        """The q (or k) norm's weight size for a projection this wide: a head's width, or
+        the whole projection's where the norm spans all heads (OLMoE); 0 without q/k norms."""
+        if not self.qk_norm:
+            return 0
+        return projection_width if ARCHITECTURES[self.architecture].qk_norm_whole else self.head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
@@ -145,7 +155,7 @@ class ModelSpec:
         hidden, heads, kv_heads, head_dim = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim
         q, kv = heads * head_dim, kv_heads * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if self.attention_bias else 0)
-        attention += (2 * head_dim if self.qk_norm else 0) + (hidden if self.attention_out_bias else 0)
+        attention += (self.qk_norm_size(q) + self.qk_norm_size(kv)) + (hidden if self.attention_out_bias else 0)
         norms = (4 if self.sandwich_norms else 2) * hidden
         mlp = 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden if self.mlp_bias else 0)
         total = active = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2) + hidden
