@@ -1,7 +1,8 @@
 """The experts of one MoE layer, as the MoE kernels (moe.py) take them: each
-projection of every expert stacked (``ExpertWeights``), and a layer's SwiGLU MLPs
+projection of every expert stacked (``ExpertWeights``), and a layer's gated MLPs
 (``ExpertMLP``): ``gate_up`` is ``[E, 2I, H]`` (each expert's gate rows, then its up
-rows), ``down`` is ``[E, H, I]``.
+rows), ``down`` is ``[E, H, I]``, with optional per-expert biases (GPT-OSS) and the
+gate's activation (``GatedActivation``: SwiGLU, or GPT-OSS's clamped variant).
 """
 
 from __future__ import annotations
@@ -153,19 +154,66 @@ def _fuse_outputs(parts: list[ExpertWeights]) -> ExpertWeights | None:
     return ExpertWeights(concat_rows(per_expert), first.num_experts, first.perms)
 
 
+@dataclass(frozen=True, slots=True)
+class GatedActivation:
+    """``act(gate) * up``: SwiGLU (``silu(gate) * up``) by default; GPT-OSS's experts clamp
+    the gate above at ``limit`` and the up projection to +-``limit``, and compute
+    ``gate * sigmoid(alpha * gate) * (up + up_offset)``."""
+
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None and self.alpha == 1.0 and self.up_offset == 0.0:
+            return F.silu(gate) * up
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + self.up_offset) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = GatedActivation()
+
+
 @dataclass(slots=True)
 class ExpertMLP:
-    """Every expert of one MoE layer: SwiGLU MLPs ``hidden -> intermediate -> hidden``.
+    """Every expert of one MoE layer: gated MLPs ``hidden -> intermediate -> hidden``.
     ``gate_up`` is one fused ``[E, 2I, H]`` projection, or gate and up apart when their
-    weights cannot be fused."""
+    weights cannot be fused; ``gate_up_bias`` ``[E, 2I]`` (gate's, then up's) and
+    ``down_bias`` ``[E, H]`` are each expert's biases, when it has them."""
 
     gate_up: list[ExpertWeights]
     down: ExpertWeights
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: GatedActivation = SWIGLU
 
     @classmethod
-    def from_projections(cls, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> ExpertMLP:
+    def from_projections(cls, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
+                         biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                         activation: GatedActivation = SWIGLU) -> ExpertMLP:
         fused = _fuse_outputs([gate, up])
-        return cls([fused] if fused is not None else [gate, up], down)
+        gate_up_bias = torch.cat(biases[:2], dim=1) if biases is not None else None
+        down_bias = biases[2] if biases is not None else None
+        return cls([fused] if fused is not None else [gate, up], down, gate_up_bias, down_bias, activation)
+
+    def activate(self, hidden: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
+        """``act(gate) * up`` from gate_up's outputs ``hidden [rows, 2I]``, each row's
+        expert (``experts``: one id for all, or one per row) adding its biases first."""
+        if self.gate_up_bias is not None:
+            hidden = hidden + self.gate_up_bias[experts].to(hidden.dtype)
+        gate, up = hidden.split(self.intermediate_size, dim=-1)
+        return self.activation(gate, up)
+
+    def add_down_bias(self, out: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
+        """down's outputs ``out [rows, H]`` plus each row's expert's bias (when it has them)."""
+        return out if self.down_bias is None else out + self.down_bias[experts].to(out.dtype)
+
+    def down_bias_sum(self, gates: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's ``sum_j gates[t, j] * down_bias[ids[t, j]]`` (fp32 ``[T, H]``), for a
+        kernel that weights and sums the experts' outputs before any bias is added."""
+        assert self.down_bias is not None
+        return (gates.float().unsqueeze(-1) * self.down_bias[ids].float()).sum(dim=1)
 
     @property
     def num_experts(self) -> int:
@@ -190,22 +238,26 @@ class ExpertMLP:
 
     @property
     def nbytes(self) -> int:
-        return self.down.nbytes + sum(p.nbytes for p in self.gate_up)
+        biases = sum(b.numel() * b.element_size() for b in (self.gate_up_bias, self.down_bias) if b is not None)
+        return self.down.nbytes + sum(p.nbytes for p in self.gate_up) + biases
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertMLP:
-        return ExpertMLP([p.to(device, dtype) for p in self.gate_up], self.down.to(device, dtype))
+        def bias(b: torch.Tensor | None) -> torch.Tensor | None:
+            return None if b is None else b.to(device, dtype or b.dtype)
+
+        return replace(self, gate_up=[p.to(device, dtype) for p in self.gate_up], down=self.down.to(device, dtype),
+                       gate_up_bias=bias(self.gate_up_bias), down_bias=bias(self.down_bias))
 
     def for_int8_kernel(self) -> ExpertMLP:
         """The projections the CPU's int8 kernel takes, tiled for it (see ExpertWeights)."""
-        return ExpertMLP([p.for_int8_kernel() for p in self.gate_up], self.down.for_int8_kernel())
+        return replace(self, gate_up=[p.for_int8_kernel() for p in self.gate_up], down=self.down.for_int8_kernel())
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor | QuantWeight | TiledWeight], torch.Tensor]
 
 
 def expert_mlp(rows: torch.Tensor, experts: ExpertMLP, expert: int, linear: Linear) -> torch.Tensor:
-    """Expert ``expert``'s SwiGLU MLP over ``rows``, its matmuls done by ``linear``."""
+    """Expert ``expert``'s gated MLP over ``rows``, its matmuls done by ``linear``."""
     parts = [linear(rows, p.expert(expert)) for p in experts.gate_up]
     hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    gate, up = hidden.split(experts.intermediate_size, dim=-1)
-    return linear(F.silu(gate) * up, experts.down.expert(expert))
+    return experts.add_down_bias(linear(experts.activate(hidden, expert), experts.down.expert(expert)), expert)

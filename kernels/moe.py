@@ -4,7 +4,8 @@ SwiGLU MLPs, and sum their outputs weighted by the router's gates.
 Expert weights are stacked per projection (``ExpertWeights``): ``gate_up`` is
 ``[E, 2I, H]`` (each expert's gate rows, then its up rows), ``down`` is ``[E, H, I]``.
 A token's output is ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over its chosen
-experts ``e = ids[j]`` with gates ``w_j`` (experts.py holds the weights).
+experts ``e = ids[j]`` with gates ``w_j`` (experts.py holds the weights; GPT-OSS's
+experts add biases and clamp their activation: ``ExpertMLP.activate``, ``add_down_bias``).
 
 Three implementations, one definition:
 
@@ -25,7 +26,6 @@ in host RAM, the rest on the GPU), the tokens travel to the experts and back.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .dispatch import use_triton
 from .experts import ExpertMLP, expert_mlp
@@ -78,8 +78,9 @@ def fused_moe_cpu(x: torch.Tensor, experts: ExpertMLP, gates: torch.Tensor, ids:
         chosen = [e for e, count in enumerate(counts) if count]
         chosen_counts = [counts[e] for e in chosen]
         hidden = experts.gate_up[0].grouped_linear(rows, chosen, chosen_counts)
-        gate, up = hidden.split(experts.intermediate_size, dim=-1)
-        y = experts.down.grouped_linear(F.silu(gate) * up, chosen, chosen_counts)
+        pair_experts = flat_ids[order]
+        y = experts.down.grouped_linear(experts.activate(hidden, pair_experts), chosen, chosen_counts)
+        y = experts.add_down_bias(y, pair_experts)
         out.index_add_(0, tokens, y * pair_gates)  # each token's k outputs summed in fp32
         return out.to(x.dtype)
     start = 0

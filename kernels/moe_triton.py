@@ -42,7 +42,6 @@ op ``localserve::moe_gemm``, with a fake implementation (see attention_triton.py
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -310,8 +309,7 @@ def _fused_moe(
         _grouped_gemm(x, part, h[:, start:stop], sorted_pairs, block_experts, None, top_k,
                       block_m=block_m, block_n=block_n, block_k=block_k)
         start = stop
-    gate, up = h.split(intermediate, dim=1)
-    act = F.silu(gate) * up  # [T*k, I], contiguous
+    act = experts.activate(h, ids.reshape(-1))  # [T*k, I], contiguous; pair p's expert is ids.flat[p]
 
     # GEMM 2: down, each row scaled by its pair's gate (in the fp32 accumulator), in
     # pair order so that each token's k rows are adjacent for the sum. Stored in x's
@@ -321,7 +319,10 @@ def _fused_moe(
     pair_gates = gates.reshape(-1).to(torch.float32).contiguous()
     _grouped_gemm(act, experts.down, y, sorted_pairs, block_experts, pair_gates, 1,
                   block_m=block_m, block_n=block_n, block_k=block_k)
-    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    out = y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32)
+    if experts.down_bias is not None:  # the kernel weighted each pair's output: add the weighted biases
+        out += experts.down_bias_sum(gates, ids)
+    return out.to(x.dtype)
 
 
 def _grouped_gemm(

@@ -106,6 +106,8 @@ def can_tile(weight: QuantWeight) -> bool:
     """Whether ``tile`` takes this weight: an ``int8_block`` (GGUF's quantized types), a
     constant zero point or the mins form, fp16-exact scales and mins, no act-order."""
     block, group = weight.int8_block, weight.group_size
+    if weight.codebook is not None:
+        return False  # non-linear codes: not in the int8 kernel yet
     if not (weight.bits in (2, 3, 4, 5, 6, 8) and block > 0 and block % 32 == 0 and weight.in_features % block == 0 and weight.perm is None
             and (group == 16 or group % 32 == 0) and block % group == 0 and weight.codes.device.type == "cpu"):
         return False
@@ -237,7 +239,8 @@ def supports_dense(weight: torch.Tensor) -> bool:
 
 def supports(weight: QuantWeight) -> bool:
     """Every QuantWeight layout the float kernel reads (contiguous, CPU tensors)."""
-    return cpu_library.available() and all(t.is_contiguous() for t in weight._tensors().values())
+    return (cpu_library.available() and weight.codebook is None
+            and all(t.is_contiguous() for t in weight._tensors().values()))
 
 
 def _library() -> ctypes.CDLL:

@@ -188,8 +188,9 @@ def _quant_linear_kernel(
 
 def supports(weight: QuantWeight) -> bool:
     """Whether the kernel handles this weight's layout: groups of a multiple of 16 inputs
-    (every format localserve loads) and codes of at most 8 bits."""
-    return weight.group_size % _MIN_DOT_DIM == 0 and weight.group_size > 0 and weight.bits <= 8
+    (every format localserve loads) and codes of at most 8 bits, affine ones (a codebook's
+    lookup is not in the kernel yet)."""
+    return weight.codebook is None and weight.group_size % _MIN_DOT_DIM == 0 and weight.group_size > 0 and weight.bits <= 8
 
 
 def _largest_pow2_divisor(n: int) -> int:

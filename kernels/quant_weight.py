@@ -21,6 +21,8 @@ class QuantWeight:
 
     - ``scales[n, g] * (q - zeros[n, g])`` when ``zeros`` is set (GPTQ, AWQ, Q4_0, Q6_K, ...)
     - ``scales[n, g] * q - mins[n, g]`` when ``mins`` is set (Q4_1, Q4_K, ...)
+    - ``scales[n, g] * codebook[q]`` when ``codebook`` is set: a non-linear 4-bit code
+      (MXFP4's e2m1 values, doubled to the integers ggml uses, under power-of-two scales)
 
     computed in fp32. Codes of up to 4 bits are stored two per byte (input ``2j`` in
     the low nibble, ``2j + 1`` in the high one), wider codes one per byte.
@@ -51,10 +53,13 @@ class QuantWeight:
     super_mins: torch.Tensor | None = None  # fp16, as super_scales (mins form only)
     groups_per_super: int = 1
     int8_block: int = 0
+    codebook: torch.Tensor | None = None  # fp32 [2 ** bits]: each code's value (shared by every row)
 
     def __post_init__(self) -> None:
-        if (self.zeros is None) == (self.mins is None):
-            raise ValueError("a QuantWeight has either zeros or mins")
+        if sum(t is not None for t in (self.zeros, self.mins, self.codebook)) != 1:
+            raise ValueError("a QuantWeight has one of zeros, mins or a codebook")
+        if self.codebook is not None and (self.codebook.shape != (1 << self.bits,) or self.super_scales is not None):
+            raise ValueError(f"a codebook holds 2**{self.bits} values, under one level of scales")
         if (self.super_mins is not None) and (self.super_scales is None or self.mins is None):
             raise ValueError("super_mins needs super_scales and the mins form")
         if self.super_scales is not None and self.mins is not None and self.super_mins is None:
@@ -85,7 +90,8 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in self._tensors().values())
 
     def to(self, device: torch.device) -> QuantWeight:
-        return replace(self, **{f: t.to(device) for f, t in self._tensors().items()})
+        codebook = None if self.codebook is None else self.codebook.to(device)
+        return replace(self, codebook=codebook, **{f: t.to(device) for f, t in self._tensors().items()})
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The given output rows (an embedding lookup)."""
@@ -102,8 +108,9 @@ class QuantWeight:
         def dtype(t: torch.Tensor | None) -> torch.dtype | None:
             return None if t is None else t.dtype
 
+        codebook = None if self.codebook is None else tuple(self.codebook.tolist())
         return (self.bits, self.group_size, self.groups_per_super, self.in_features, dtype(self.scales),
-                dtype(self.zeros), dtype(self.mins), dtype(self.super_scales), dtype(self.super_mins))
+                dtype(self.zeros), dtype(self.mins), dtype(self.super_scales), dtype(self.super_mins), codebook)
 
     def group_scales(self) -> torch.Tensor:
         """Each group's scale ``[N, groups]``: the stored scales, or the fp32 products of
@@ -111,7 +118,8 @@ class QuantWeight:
         return _expand_two_level(self.super_scales, self.scales, self.groups_per_super)
 
     def group_offsets(self) -> torch.Tensor:
-        """Each group's zero point or min ``[N, groups]``, as ``group_scales``."""
+        """Each group's zero point or min ``[N, groups]``, as ``group_scales`` (the affine
+        forms only)."""
         if self.zeros is not None:
             return self.zeros
         assert self.mins is not None
@@ -162,9 +170,13 @@ def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch
     """The dense weight ``[N, K]`` (columns in stored order; see ``perm``).
 
     One fp32 buffer, updated in place: the same fp32 operations as the formats' own
-    dequantizers (``(q - zero) * scale`` or ``scale * q - min``), so results are exact.
+    dequantizers (``(q - zero) * scale``, ``scale * q - min`` or ``scale * codebook[q]``),
+    so results are exact.
     """
     n, k = weight.shape
+    if weight.codebook is not None:
+        values = weight.codebook[unpack_codes(weight, torch.int64)].view(n, -1, weight.group_size)
+        return values.mul_(weight.scales.float().unsqueeze(-1)).view(n, k).to(dtype)
     q = unpack_codes(weight, torch.float32).view(n, -1, weight.group_size)
     scales = weight.group_scales().unsqueeze(-1)
     offsets = weight.group_offsets().unsqueeze(-1)

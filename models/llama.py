@@ -2,7 +2,8 @@
 norm), Granite (multipliers), Phi-3 (fused projections, longrope), Gemma 2 and 3 (GeGLU,
 (1 + w) norms around both blocks, scaled embeddings, soft caps, local and global layers
 with their own rotary bases), and the mixture-of-experts kin Mixtral, Qwen2-MoE,
-Qwen3-MoE and OLMoE (a SparseMoE block in place of the MLP).
+Qwen3-MoE, OLMoE and GPT-OSS (a SparseMoE block in place of the MLP; GPT-OSS adds biases
+everywhere and attention sinks).
 
 One module serves them all; the spec's fields switch the differences. Q/K/V and
 gate/up projections are fused into single matmuls where the weights' layouts allow,
@@ -44,6 +45,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.qk_norm_size(self.kv_size), spec.rms_norm_eps, offset) if spec.qk_norm else None
         self.qk_norm_whole = ARCHITECTURES[spec.architecture].qk_norm_whole
         self.clip_qkv = spec.clip_qkv
+        # GPT-OSS's sinks: one logit per head, kept in fp32 (a buffer, so cast() leaves it).
+        self.register_buffer("sinks", torch.zeros(self.num_heads) if spec.attention_sinks else None)
         self.rotary = rotary
         self.scale = spec.query_scale
         self.softcap = spec.attention_softcap
@@ -78,7 +81,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary.apply(q, *rope), self.rotary.apply(k, *rope)
         write_kv(k, v, cache, meta.slot_mapping)
-        out = paged_attention(q, cache, meta, self.scale, self.window, self.softcap)
+        out = paged_attention(q, cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -195,6 +198,8 @@ class LlamaForCausalLM(nn.Module):
                 for part, name in enumerate(("q", "k", "v")):
                     slots |= _linear_slots(f"{prefix}self_attn.{name}_proj.", attn.qkv, part)
             slots |= _linear_slots(f"{prefix}self_attn.o_proj.", attn.o_proj, 0)
+            if attn.sinks is not None:
+                slots[f"{prefix}self_attn.sinks"] = attn.sinks
             if attn.q_norm is not None:
                 slots[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
                 slots[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
@@ -216,10 +221,13 @@ class LlamaForCausalLM(nn.Module):
         """The router, each expert's projections (HF, GPTQ, AWQ) or each projection of
         all experts stacked (``experts.gate_proj.weight``: GGUF), the shared expert."""
         experts = moe.experts
-        slots: dict[str, Slot] = {f"{prefix}gate.weight": (moe.router, 0, False)}
+        slots: dict[str, Slot] = _linear_slots(f"{prefix}gate.", moe.router, 0)
         expert_names = dict(zip(PROJECTIONS, ARCHITECTURES[self.spec.architecture].expert_names))
         for projection in PROJECTIONS:
             slots[f"{prefix}experts.{projection}_proj.weight"] = (experts, (projection, None), False)
+            if self.spec.expert_bias:  # stacked only, as the layout has them
+                slots[f"{prefix}experts.{projection}_proj.bias"] = (experts, (projection, None), True)
+                continue
             name = expert_names[projection]
             for e in range(experts.num_experts):
                 slots[f"{prefix}experts.{e}.{name}.weight"] = (experts, (projection, e), False)

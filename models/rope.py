@@ -76,8 +76,10 @@ def _yarn(inv_freq: torch.Tensor, rope: RopeSpec, rotary_dim: int) -> tuple[torc
     def dim_for_rotations(rotations: float) -> float:
         return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
-    low = max(math.floor(dim_for_rotations(rope.beta_fast)), 0)
-    high = min(math.ceil(dim_for_rotations(rope.beta_slow)), rotary_dim - 1)
+    low, high = dim_for_rotations(rope.beta_fast), dim_for_rotations(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

@@ -35,7 +35,7 @@ _BASE = dict(
 
 
 def _configs() -> dict[str, Callable[[], object]]:
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, GraniteConfig, LlamaConfig, MistralConfig,
                               MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     return {
@@ -109,10 +109,15 @@ def _configs() -> dict[str, Callable[[], object]]:
         # clip_qkv low enough to clamp some of the tiny model's projections.
         "olmoe": lambda: OlmoeConfig(**{**_BASE, "intermediate_size": 48}, num_experts=8, num_experts_per_tok=2,
                                      clip_qkv=1.5),
+        # GPT-OSS: biases everywhere, sinks, sliding (window 12) and full layers alternating,
+        # yarn rope untruncated, top-2 of 8 experts with a clamped SwiGLU whose limit (1.5,
+        # 7 in the real models) clamps the tiny model's activations.
+        "gpt_oss": lambda: GptOssConfig(**{**_BASE, "intermediate_size": 48}, head_dim=16, num_local_experts=8,
+                                        num_experts_per_tok=2, sliding_window=12, swiglu_limit=1.5),
     }
 
 
-MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+MOE_KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
 
 
 MODEL_KINDS = list(_configs())
@@ -120,7 +125,7 @@ MODEL_KINDS = list(_configs())
 # served context (models/rope.py): compared with transformers in tests of their own.
 SCALED_ROPE_KINDS = ["llama-dynamic", "phi3-longrope"]
 # Sliding windows of 12 tokens, shorter than the test prompts.
-SLIDING_KINDS = ["mistral-swa", "qwen2-swa", "gemma2", "gemma3"]
+SLIDING_KINDS = ["mistral-swa", "qwen2-swa", "gemma2", "gemma3", "gpt_oss"]
 
 
 def reinitialise(model: torch.nn.Module, seed: int) -> None:
@@ -128,11 +133,14 @@ def reinitialise(model: torch.nn.Module, seed: int) -> None:
     random too, so that a weight loaded into the wrong place shows. MoE routers get
     4x that, so each token's gates are far from uniform and routing matters."""
     generator = torch.Generator().manual_seed(seed)
+    # GPT-OSS stores its experts [E, in, out]: their fan-in is the middle dimension.
+    inputs_first = getattr(getattr(model, "config", None), "model_type", None) == "gpt_oss"
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
-                router = name.endswith("mlp.gate.weight")
-                param.normal_(0.0, (4.0 if router else 1.0) * param.shape[-1] ** -0.5, generator=generator)
+                router = name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+                fan_in = param.shape[1] if inputs_first and param.dim() == 3 else param.shape[-1]
+                param.normal_(0.0, (4.0 if router else 1.0) * fan_in**-0.5, generator=generator)
             elif name.endswith("bias"):
                 param.normal_(0.0, 0.5, generator=generator)
             else:

@@ -33,10 +33,12 @@ GEMMA_NORMS_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_f
                        "post_feedforward_layernorm": "post_ffw_norm"}
 # transformers model_type -> GGUF architecture
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-                      "olmoe": "olmoe",
+                      "olmoe": "olmoe", "gpt_oss": "gpt-oss",
                       "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 # The converter permutes Q/K rows for these (its Llama model and subclasses).
 PERMUTED_QK = {"llama", "granite"}
+# GPT-OSS's pre-MLP norm and router, as the converter names them.
+GPT_OSS_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
 GEMMA = {"gemma2", "gemma3"}
 
 
@@ -47,6 +49,10 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     layer, module, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
     if arch in GEMMA and module in GEMMA_NORMS_TO_GGUF:
         return f"blk.{layer}.{GEMMA_NORMS_TO_GGUF[module]}.{kind}"
+    if arch == "gpt-oss" and module in GPT_OSS_TO_GGUF:
+        return f"blk.{layer}.{GPT_OSS_TO_GGUF[module]}.{kind}"
+    if arch == "gpt-oss" and module == "self_attn" and kind == "sinks":
+        return f"blk.{layer}.attn_sinks.weight"
     if module.startswith("mlp.") and module.removeprefix("mlp.") in MOE_TO_GGUF:
         return f"blk.{layer}.{MOE_TO_GGUF[module.removeprefix('mlp.')]}.{kind}"
     return f"blk.{layer}.{LAYER_TO_GGUF[module]}.{kind}"
@@ -70,6 +76,9 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             array = array + 1  # the converter stores Gemma's norms as 1 + w
         if arch in GEMMA and name == "lm_head.weight":
             continue  # tied
+        if arch == "gpt-oss" and ".mlp.experts." in name:  # [E, in, out], gate and up interleaved
+            tensors.update(gpt_oss_experts(name, array))
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5 keeps experts stacked, gate and up fused
             gate, up = np.split(array, 2, axis=1)
             tensors[expert_tensor(name, "gate")] = np.ascontiguousarray(gate)
@@ -86,6 +95,31 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             array = permute_rows(array, config.num_key_value_heads)
         tensors[gguf_name(name, arch)] = np.ascontiguousarray(array)
     return tensors
+
+
+def gpt_oss_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    """A GPT-OSS expert tensor as the converter writes it: weights transposed to
+    ``[E, out, in]``, gate and up (even and odd outputs) apart, biases ``[E, out]``."""
+    layer, part = name.split(".")[2], name.rsplit(".", 1)[-1]
+    if part.endswith("_bias"):
+        pieces = {"down": array} if part.startswith("down") else {"gate": array[:, 0::2], "up": array[:, 1::2]}
+        return {f"blk.{layer}.ffn_{p}_exps.bias": np.ascontiguousarray(a) for p, a in pieces.items()}
+    rows = array.transpose(0, 2, 1)
+    pieces = {"down": rows} if part.startswith("down") else {"gate": rows[:, 0::2], "up": rows[:, 1::2]}
+    return {f"blk.{layer}.ffn_{p}_exps.weight": np.ascontiguousarray(a) for p, a in pieces.items()}
+
+
+def gpt_oss_packed(name: str, values: dict[str, np.ndarray]) -> np.ndarray:
+    """The inverse of ``gpt_oss_experts``: HF's ``[E, in, out]`` (or ``[E, out]`` bias),
+    gate and up interleaved, from the file's tensors."""
+    layer, part = name.split(".")[2], name.rsplit(".", 1)[-1]
+    kind = "bias" if part.endswith("_bias") else "weight"
+    if part.startswith("down"):
+        rows = values[f"blk.{layer}.ffn_down_exps.{kind}"]
+    else:
+        gate, up = values[f"blk.{layer}.ffn_gate_exps.{kind}"], values[f"blk.{layer}.ffn_up_exps.{kind}"]
+        rows = np.stack([gate, up], axis=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+    return rows if kind == "bias" else rows.transpose(0, 2, 1)
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -126,9 +160,10 @@ def tiny_llama(hidden: int = 256, ffn: int = 512, layers: int = 2, seed: int = 3
     return model.eval()
 
 
-def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
+def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = (), expert_qtype=None) -> None:
     """Every matrix (and stacked experts) in ``qtype`` (gguf-py quantizes it), vectors
-    in F32; tensors named in ``exclude`` (GGUF names) are left out."""
+    in F32; the stacked experts in ``expert_qtype`` when given; tensors named in
+    ``exclude`` (GGUF names) are left out."""
     import gguf
 
     config = model.config
@@ -158,10 +193,18 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if arch == "gpt-oss":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        rope_parameters = config.rope_parameters
+        if rope_parameters.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope_parameters["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+    if config.model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         writer.add_expert_count(getattr(config, "num_local_experts", None) or config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if config.model_type not in ("mixtral", "olmoe"):  # their experts are feed_forward_length wide
+        if config.model_type not in ("mixtral", "olmoe", "gpt_oss"):  # their experts are feed_forward_length wide
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if config.model_type == "qwen2_moe":
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
@@ -175,7 +218,10 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = ()) -> None:
         if name in exclude:
             continue
         # Routers stay F32, as llama.cpp's quantizer leaves them.
-        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32 or name.endswith("ffn_gate_inp.weight"):
+        if expert_qtype is not None and name.endswith("_exps.weight"):
+            writer.add_tensor(name, gguf.quants.quantize(array, expert_qtype), raw_dtype=expert_qtype)
+        elif (array.ndim == 1 or name.endswith(".bias") or qtype == gguf.GGMLQuantizationType.F32
+              or name.endswith("ffn_gate_inp.weight")):
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
@@ -203,6 +249,8 @@ def dequantized_reference(path: Path, model):
     for name, tensor in model.state_dict().items():
         if arch in GEMMA and name == "lm_head.weight":
             array = values["token_embd.weight"]
+        elif arch == "gpt-oss" and ".mlp.experts." in name:
+            array = gpt_oss_packed(name, values)
         elif name.endswith("mlp.experts.gate_up_proj"):
             array = np.concatenate([values[expert_tensor(name, "gate")], values[expert_tensor(name, "up")]], axis=1)
         elif name.endswith("mlp.experts.down_proj"):
@@ -276,6 +324,29 @@ def tiny_variant(kind: str, seed: int = 7):
     if kind == "granite":  # unit-scale residual stream, as tiny_llama's (Gemma scales its own)
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(hidden**0.5 / config.embedding_multiplier)
+    return model.eval()
+
+
+def tiny_gpt_oss(seed: int = 9):
+    """A four-layer GPT-OSS at widths MXFP4 and every GGUF type can hold (rows of 256):
+    4 experts, top-2, window 12 on every other layer, yarn rope truncated as llama.cpp
+    computes it, and the real swiglu limit (7: llama.cpp fixes it in code; the HF tests
+    use one that clamps more); initialised as ``tiny_llama``."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    hidden = 256
+    config = GptOssConfig(vocab_size=512, hidden_size=hidden, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=12, swiglu_limit=7.0, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                           "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "truncate": True})
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config)
+    reinitialise(model, seed=seed)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(hidden**0.5)
     return model.eval()
 
 

@@ -71,7 +71,7 @@ def test_the_architecture_table_decides_what_sets_a_model_apart(model_type: str,
     assert by_gguf("llama", has_experts=True) is ARCHITECTURES["mixtral"]
     assert by_gguf("llama", has_experts=False) is ARCHITECTURES["llama"]
     assert by_gguf("qwen3moe", has_experts=True) is ARCHITECTURES["qwen3_moe"] and by_gguf("gpt2", False) is None
-    with pytest.raises(LocalserveError, match="supported: gemma2, gemma3_text, granite, llama, mistral, mixtral, olmoe, phi3, qwen2, "
+    with pytest.raises(LocalserveError, match="supported: gemma2, gemma3_text, gpt_oss, granite, llama, mistral, mixtral, olmoe, phi3, qwen2, "
                        "qwen2_moe, qwen3, qwen3_moe"):
         spec_from_config({**BASE, "model_type": "gpt2"})
 

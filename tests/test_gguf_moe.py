@@ -53,11 +53,13 @@ def logits_and_router_margins(engine: Engine, prompt: list[int]) -> tuple[torch.
     return logits, torch.cat(margins, dim=1).min(dim=1).values
 
 
-def check_against_oracles(path, model) -> None:
+def check_against_oracles(path, model, tiled: bool = True) -> None:
+    """Exact (fp32 activations) against gguf-py's dequantization, and as served against
+    llama.cpp; ``tiled``: the experts run on the int8 kernel, as llama.cpp's do."""
     prompt = [1, *random_prompt(47, seed=11)]
     engine = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu")
-    if cpu_library.available():  # the experts run on the int8 kernel, as llama.cpp's do
-        assert all(isinstance(e.mlp.down.weight, TiledWeight) for _, e in engine.model.experts())
+    if cpu_library.available():
+        assert all(isinstance(e.mlp.down.weight, TiledWeight) == tiled for _, e in engine.model.experts())
     ours, margins = logits_and_router_margins(engine, prompt)
     # fp32 activations in every matmul, as the dequantized fp32 model computes them.
     exact_engine = Engine(path, EngineConfig(num_kv_blocks=32, exact_cpu_matmul=True), device="cpu")

@@ -117,6 +117,24 @@ def check(num_tokens: int, experts: ExpertMLP, *, dtype: torch.dtype = torch.flo
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * expected.float().abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["dense", "q8_0"])
+def test_biased_experts_with_clamped_swiglu_equal_the_reference(kind: str) -> None:
+    """GPT-OSS's experts: biases on gate/up (added before the clamped activation) and on
+    down (added per pair, then weighted by the gate)."""
+    from localserve.kernels.experts import GatedActivation
+
+    experts = make_experts(4, 64, 32, kind)
+    gen = torch.Generator().manual_seed(7)
+    activation = GatedActivation(alpha=1.702, limit=0.5, up_offset=1.0)  # a limit the random activations exceed
+    experts = replace(experts, gate_up_bias=torch.randn(4, 64, generator=gen).to(DEVICE),
+                      down_bias=torch.randn(4, 64, generator=gen).to(DEVICE), activation=activation)
+    check(9, experts)
+    plain = fused_moe_ref(torch.ones(3, 64, device=DEVICE), replace(experts, down_bias=None), *make_routing(3, 4, 2,
+                                                                                                            "random"))
+    assert not torch.allclose(plain, fused_moe_ref(torch.ones(3, 64, device=DEVICE), experts,
+                                                   *make_routing(3, 4, 2, "random")))
+
+
 # --------------------------------------------------------------------------------------
 # align_by_expert
 # --------------------------------------------------------------------------------------

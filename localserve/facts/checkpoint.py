@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..formats import Checkpoint, open_checkpoint
 from ..formats.gguf_file import GGML_TYPES
+from ..formats.gpt_oss import MXFP4
 from ..formats.spec import ModelSpec
 from ..units import human_bytes, human_count
 
@@ -26,7 +27,10 @@ def quantization(checkpoint: Checkpoint) -> str:
         quant = checkpoint.quant
         group = "per-channel" if quant.group_size == -1 else f"group {quant.group_size}"
         return f"{quant.method.upper()} {quant.bits}-bit, {group}"
-    return checkpoint.spec.torch_dtype or "unknown dtype"
+    stored = checkpoint.spec.torch_dtype or "unknown dtype"
+    if any(dtype == MXFP4 for _, _, dtype in checkpoint.headers):
+        return f"experts MXFP4, the rest {stored}"  # GPT-OSS as released
+    return stored
 
 
 def checkpoint_format(checkpoint: Checkpoint) -> str:

@@ -17,7 +17,8 @@ from ..errors import LocalserveError
 from ..text.chat_template import ChatTemplate
 from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..text.tokenizer import Tokenizer
-from . import hf
+from . import gpt_oss, hf
+from .architectures import ARCHITECTURES
 from .gguf import chat_template_from_gguf, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
 from .hf import QuantConfig, TensorHeader, quant_config_from
@@ -34,7 +35,8 @@ class Checkpoint:
     path: Path
     spec: ModelSpec
     files: list[Path]  # HF safetensors shards (empty for GGUF)
-    headers: list[TensorHeader] = field(default_factory=list)  # the shards' tensor headers (HF)
+    # The shards' tensor headers (HF), under canonical names (formats/gpt_oss.py renames GPT-OSS's).
+    headers: list[TensorHeader] = field(default_factory=list)
     quant: QuantConfig | None = None  # GPTQ/AWQ layers come out as QuantWeights
     gguf: GGUFFile | None = None  # the parsed file, for .gguf checkpoints
 
@@ -93,6 +95,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         _check_group_size(spec, quant)
     files = hf.shard_files(path)
     headers = hf.read_headers(files)
+    if ARCHITECTURES[spec.architecture].packed_experts:
+        headers = gpt_oss.canonical_headers(headers)
     hf.check_headers(spec, headers)
     _merge_generation_eos(path, spec)
     return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant)

@@ -15,7 +15,7 @@ class Architecture:
     attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head's q and k (Qwen3)
     qk_norm_whole: bool = False  # the q/k RMSNorm spans all heads' q (and k) at once (OLMoE)
-    moe: str | None = None  # the MoE config family: "mixtral", "qwen" or "olmoe"; None: dense
+    moe: str | None = None  # the MoE config family: "mixtral", "qwen", "olmoe" or "gpt_oss"; None: dense
     moe_block: str = "mlp"  # the HF module holding a layer's router and experts
     # Each expert's projections in HF checkpoints: gate, up, down (default: gate_proj, ...).
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
@@ -30,6 +30,9 @@ class Architecture:
     # layer_types and states no sliding_window_pattern of its own).
     sliding_window_pattern: int | None = None
     fused_projections: bool = False  # HF checkpoints hold qkv_proj and gate_up_proj whole (Phi-3)
+    # HF checkpoints hold each layer's experts as 3-D tensors, MXFP4 or dense, renamed by
+    # formats/gpt_oss.py (GPT-OSS).
+    packed_experts: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -46,6 +49,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # not renormalised (llama.cpp: never; transformers: norm_topk_prob, false in every release).
     Architecture("olmoe", ("olmoe",), "olmoe", qk_norm=True, qk_norm_whole=True, moe="olmoe",
                  renormalize_gates=False),
+    # GPT-OSS: biases everywhere, attention sinks, sliding and full layers alternating, a
+    # clamped SwiGLU in its experts, gates a softmax over the chosen experts' logits.
+    Architecture("gpt_oss", ("gpt_oss",), "gpt-oss", moe="gpt_oss", sliding_window_pattern=2, packed_experts=True),
     Architecture("granite", ("granite",), "granite", gguf_permuted_qk=True),
     Architecture("gemma2", ("gemma2",), "gemma2", gemma=True, tied_embeddings=True, sliding_window_pattern=2),
     Architecture("gemma3", ("gemma3_text",), "gemma3", gemma=True, tied_embeddings=True, qk_norm=True,

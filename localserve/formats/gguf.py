@@ -1,5 +1,5 @@
 """GGUF files' metadata (llama, qwen2, qwen3, granite, gemma2, gemma3 architectures; Mixtral
-as llama with experts, qwen2moe, qwen3moe) -> ModelSpec and chat template, and the map from GGUF
+as llama with experts, qwen2moe, qwen3moe, olmoe, gpt-oss) -> ModelSpec and chat template, and the map from GGUF
 tensor names to HF's (the experts' stacked ``*_exps`` tensors to
 ``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert). Needs no
 torch: formats/weights.py turns the tensors into weights.
@@ -35,7 +35,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # GPT-OSS's pre-MLP norm
 }
+# Tensors whose HF name has no .weight suffix (llama.cpp's converter adds one).
+_BARE_NAMES = {"attn_sinks": "self_attn.sinks"}
 # MoE tensors, under the layer's MoE block (``mlp`` or Mixtral's ``block_sparse_moe``).
 MOE_NAMES = {
     "ffn_gate_inp": "gate",
@@ -63,6 +66,8 @@ def hf_name(name: str, architecture: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = LAYER_TENSOR.fullmatch(name)
+    if match and match[2] in _BARE_NAMES and match[3] == "weight":
+        return f"model.layers.{match[1]}.{_BARE_NAMES[match[2]]}"
     if match and ARCHITECTURES[architecture].gemma and match[2] in _GEMMA_NORMS:
         return f"model.layers.{match[1]}.{_GEMMA_NORMS[match[2]]}.{match[3]}"
     if match and match[2] in _LAYER_NAMES:
@@ -137,6 +142,7 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         max_position_embeddings=md.get("context_length", int, 4096),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        attention_out_bias="blk.0.attn_output.bias" in gguf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gguf.tensors,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id", int, None),
         eos_token_ids=list(dict.fromkeys(e for e in eos if e is not None)),
@@ -175,6 +181,13 @@ def _variant_fields(md: _Metadata, architecture: Architecture, hidden: int, head
         attention_softcap=md.get("attn_logit_softcapping", float, 0.0),
         final_softcap=md.get("final_logit_softcapping", float, 0.0),
     )
+    if architecture.name == "gpt_oss":
+        # llama.cpp fixes these in code: every 2nd layer full, the experts' clamped SwiGLU.
+        layers = md.get("block_count", int)
+        window = md.get("attention.sliding_window", int)
+        return fields | dict(sliding_window=window or None, attention_sinks=True, expert_bias=True,
+                             clamped_swiglu=(1.702, 7.0),
+                             full_attention_layers=tuple(i for i in range(layers) if i % 2) if window else ())
     if not architecture.gemma:
         return fields
     layers = md.get("block_count", int)

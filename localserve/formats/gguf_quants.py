@@ -17,6 +17,8 @@ reference. Which reference expression each type reproduces:
 - Q4_K: ``(d*sc) * q - (dmin*m)``, q 4-bit -> mins form (group 32)
 - Q5_K: ``(d*sc) * q - (dmin*m)``, q 5-bit -> mins form (group 32)
 - Q6_K: ``(d*sc) * (q - 32)``, q 6-bit -> zeros 32 (group 16)
+- MXFP4: ``e8m0_half(e) * kvalues[q]``, q 4-bit -> the codebook form: ``kvalues`` (e2m1
+  doubled to integers) as the codebook, the power-of-two scale held exactly in bf16 (group 32)
 
 ``code - zero`` is an exact small integer and negating ``m`` is exact, so QuantWeight's
 ``scales * (code - zero)`` and ``scales * code - mins`` round exactly like the
@@ -46,6 +48,11 @@ from .gguf_file import GGML_TYPES, LOADABLE_TYPES
 F32, F16, BF16 = 0, 1, 30
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+MXFP4 = 39
+
+# MXFP4's e2m1 values doubled (ggml's kvalues_mxfp4): every code's value is an integer,
+# and the block's e8m0 scale is halved to match.
+MXFP4_VALUES = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
 
 _DENSE: dict[int, tuple[torch.dtype, int]] = {
     F32: (torch.float32, 4),
@@ -78,9 +85,10 @@ class _BlockType:
     block_bytes: int
     bits: int
     group_size: int
-    zero: int | None  # constant zero point; None means the mins form
+    zero: int | None  # constant zero point; None means the mins form (or the codebook's)
     scale_dtype: torch.dtype  # an integer type means two-level scales (K-quants)
     decode: Callable[[torch.Tensor], _Decoded]
+    codebook: tuple[float, ...] | None = None  # each code's value (MXFP4)
 
     @property
     def two_level(self) -> bool:
@@ -222,6 +230,17 @@ def _decode_q6_k(blocks: torch.Tensor) -> _Decoded:
     return _Decoded(codes=low | (high << 4), scales=scales, super_scales=_fp16(blocks, 208))
 
 
+def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
+    """ggml's ``e8m0_to_fp32_half``: 2 ** (e - 128) per uint8 exponent, exactly, as bf16
+    (whose range is fp32's, subnormals down to 2**-133 included)."""
+    return torch.ldexp(torch.ones(exponents.shape), exponents.to(torch.int32) - 128).to(torch.bfloat16)
+
+
+def _decode_mxfp4(blocks: torch.Tensor) -> _Decoded:
+    # e (e8m0) | 16 bytes of nibbles, laid out as Q4_0's
+    return _Decoded(codes=_nibbles_halves(blocks[:, 1:17]), scales=e8m0_half(blocks[:, 0:1]))
+
+
 _BLOCK_TYPES: dict[int, _BlockType] = {
     Q4_0: _BlockType(32, 18, 4, 32, 8, torch.float16, _decode_q4_0),
     Q4_1: _BlockType(32, 20, 4, 32, None, torch.float16, _decode_q4_1),
@@ -233,6 +252,7 @@ _BLOCK_TYPES: dict[int, _BlockType] = {
     Q4_K: _BlockType(256, 144, 4, 32, None, torch.uint8, _decode_q4_k),
     Q5_K: _BlockType(256, 176, 5, 32, None, torch.uint8, _decode_q5_k),
     Q6_K: _BlockType(256, 210, 6, 16, 32, torch.int8, _decode_q6_k),
+    MXFP4: _BlockType(32, 17, 4, 32, None, torch.bfloat16, _decode_mxfp4, codebook=MXFP4_VALUES),
 }
 
 
@@ -301,7 +321,7 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
     groups = width // bt.group_size
     codes = torch.empty((rows, width // 2 if bt.bits <= 4 else width), dtype=torch.uint8)
     scales = torch.empty((rows, groups), dtype=bt.scale_dtype)
-    mins_form = bt.zero is None
+    mins_form = bt.zero is None and bt.codebook is None
     mins = torch.empty((rows, groups), dtype=torch.uint8 if bt.two_level else torch.float32) if mins_form else None
     # Two-level scales: one fp16 super-scale (and super-min) per block.
     super_scales = torch.empty((rows, blocks_per_row), dtype=torch.float16) if bt.two_level else None
@@ -329,7 +349,9 @@ def _quantized(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int, ...
             super_mins[start:stop] = decoded.super_mins.reshape(n_rows, blocks_per_row)
 
     zeros = torch.full((rows, groups), bt.zero, dtype=torch.uint8) if bt.zero is not None else None
+    codebook = torch.tensor(bt.codebook, dtype=torch.float32) if bt.codebook is not None else None
     return QuantWeight(bits=bt.bits, group_size=bt.group_size, codes=codes, scales=scales, zeros=zeros, mins=mins,
+                       codebook=codebook,
                        super_scales=super_scales, super_mins=super_mins,
                        groups_per_super=bt.block_elements // bt.group_size if bt.two_level else 1,
                        # ggml's CPU dot products round x to 8 bits for every quantized type, per
@@ -360,7 +382,7 @@ def gguf_to_weight(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int,
     copied); ``shape`` is in torch order, ``(rows, row_elements)`` for a matrix or
     ``(n,)`` for a vector, which becomes a one-row QuantWeight when quantized. The
     QuantWeight dequantizes bit-exactly to ggml's reference. Other types (IQ*, Q8_1,
-    Q8_K, TQ*, MXFP4, integer types, unknown ids) raise ``LocalserveError``.
+    Q8_K, TQ*, integer types, unknown ids) raise ``LocalserveError``.
     """
     raw = _byte_view(name, raw)
     shape = tuple(shape)

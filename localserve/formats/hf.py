@@ -102,6 +102,11 @@ def _moe_fields(arch: Architecture, config: dict[str, Any]) -> dict[str, Any]:
     if arch.moe == "olmoe":  # intermediate_size wide too; every layer sparse, no shared expert
         return fields | dict(moe_intermediate_size=int(config["intermediate_size"]),
                              norm_topk_prob=bool(config.get("norm_topk_prob", False)))
+    if arch.moe == "gpt_oss":
+        # A softmax over the chosen experts' logits is the full softmax renormalised over them.
+        return fields | dict(moe_intermediate_size=int(config["intermediate_size"]), norm_topk_prob=True,
+                             expert_bias=True, clamped_swiglu=(float(config.get("swiglu_alpha", 1.702)),
+                                                               float(config.get("swiglu_limit", 7.0))))
     # Qwen MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
     step = int(config.get("decoder_sparse_step") or 1)
     only_dense = {int(i) for i in config.get("mlp_only_layers") or []}
@@ -133,6 +138,7 @@ def _variant_fields(arch: Architecture, config: dict[str, Any], hidden_size: int
         attention_softcap=float(config.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(config.get("final_logit_softcapping") or 0.0),
         clip_qkv=float(config["clip_qkv"]) if config.get("clip_qkv") is not None else None,
+        attention_sinks=arch.name == "gpt_oss",
     )
 
 
@@ -202,6 +208,7 @@ def _rope_spec(config: dict[str, Any], merged: dict[str, Any]) -> RopeSpec:
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         beta_fast=float(merged.get("beta_fast", 32.0)),
         beta_slow=float(merged.get("beta_slow", 1.0)),
+        truncate=bool(merged.get("truncate", True)),
         attention_factor=merged.get("attention_factor"),
         partial_rotary_factor=float(merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
         short_factor=_floats(merged.get("short_factor")),
@@ -314,6 +321,8 @@ def quant_config_from(config: dict[str, Any]) -> QuantConfig | None:
     if not isinstance(raw, dict):
         raise LocalserveError("config.json: quantization_config must be an object")
     method = raw.get("quant_method")
+    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+        return None  # its MXFP4 experts are read by formats/gpt_oss.py
     bits = raw.get("bits", raw.get("w_bit"))
     group_size = raw.get("group_size", raw.get("q_group_size", 128))
     if not isinstance(group_size, int) or isinstance(group_size, bool) or not (group_size == -1 or group_size > 0):

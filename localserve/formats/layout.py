@@ -4,8 +4,9 @@ checkpoint's files to from their headers alone (no weights read, no torch), so t
 ``localserve pull`` registers only a model the engine can load.
 
 Names and shapes are HF's, dense: ``[out_features, in_features]`` for a projection, all
-experts of a projection stacked as ``[num_experts * out, in]`` or each expert on its own,
-and a GPTQ/AWQ layer by the shape of the weight it holds.
+experts of a projection stacked as ``[num_experts * out, in]`` or each expert on its own
+(experts with biases, GPT-OSS's: stacked, biases ``[num_experts, out]``), and a GPTQ/AWQ
+layer by the shape of the weight it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..errors import LocalserveError
 from .architectures import ARCHITECTURES
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
 from .gguf_file import GGML_TYPES, LOADABLE_TYPES
+from .gpt_oss import MXFP4
 from .hf import SAFETENSORS_ITEM_BYTES, QuantConfig
 from .spec import ModelSpec
 
@@ -64,6 +66,8 @@ def layout(spec: ModelSpec) -> Layout:
         for name, rows in projections:
             _linear(shapes, f"{prefix}self_attn.{name}_proj.", rows, hidden, spec.attention_bias)
         _linear(shapes, f"{prefix}self_attn.o_proj.", hidden, q, spec.attention_out_bias)
+        if spec.attention_sinks:
+            shapes[f"{prefix}self_attn.sinks"] = (heads,)
         if spec.qk_norm:
             shapes[f"{prefix}self_attn.q_norm.weight"] = (spec.qk_norm_size(q),)
             shapes[f"{prefix}self_attn.k_norm.weight"] = (spec.qk_norm_size(kv),)
@@ -75,12 +79,15 @@ def layout(spec: ModelSpec) -> Layout:
             _mlp(shapes, f"{prefix}mlp.", hidden, spec.intermediate_size, spec.mlp_bias, arch.fused_projections)
             continue
         block = f"{prefix}{arch.moe_block}."
-        shapes[f"{block}gate.weight"] = (spec.num_experts, hidden)
+        _linear(shapes, f"{block}gate.", spec.num_experts, hidden, spec.expert_bias)
         width = spec.moe_intermediate_size
         for projection, name in zip(PROJECTIONS, arch.expert_names):
             rows, columns = (hidden, width) if projection == "down" else (width, hidden)
             stacked = f"{block}experts.{projection}_proj.weight"
             shapes[stacked] = (spec.num_experts * rows, columns)
+            if spec.expert_bias:  # stacked checkpoints only (GPT-OSS, its GGUF)
+                shapes[f"{block}experts.{projection}_proj.bias"] = (spec.num_experts, rows)
+                continue
             each = [f"{block}experts.{e}.{name}.weight" for e in range(spec.num_experts)]
             shapes.update((expert, (rows, columns)) for expert in each)
             result.experts.append((stacked, each))
@@ -165,7 +172,7 @@ def _gguf_tensors(checkpoint: Checkpoint) -> Iterator[FileTensor]:
         if match and match[2] in MOE_NAMES:
             if len(shape) == 3:  # stacked experts [E, N, K] load as rows expert after expert
                 shape = (shape[0] * shape[1], shape[2])
-            elif len(shape) == 1:  # the shared expert's gate, a vector in GGUF, is HF's [1, hidden]
+            elif match[2] == "ffn_gate_inp_shexp":  # the shared expert's gate, a vector in GGUF, is HF's [1, hidden]
                 shape = (1, shape[0])
         problem = None
         if info.ggml_type not in LOADABLE_TYPES:
@@ -210,8 +217,9 @@ def _quantized_tensors(checkpoint: Checkpoint, quant: QuantConfig) -> Iterator[F
 
 
 def _safetensors_problem(dtype: str) -> str | None:
-    """Why a dense tensor of this dtype cannot be a weight, or None."""
-    return None if dtype in _FLOAT_DTYPES else f"of safetensors dtype {dtype} (dense weights are floats)"
+    """Why a tensor of this dtype cannot be a weight, or None (MXFP4: GPT-OSS's experts,
+    as formats/gpt_oss.py names them)."""
+    return None if dtype in _FLOAT_DTYPES or dtype == MXFP4 else f"of safetensors dtype {dtype} (dense weights are floats)"
 
 
 _FLOAT_DTYPES = frozenset({"F16", "F32", "BF16", "F64"})

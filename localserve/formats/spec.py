@@ -24,6 +24,7 @@ class RopeSpec:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (GPT-OSS: not)
     attention_factor: float | None = None  # yarn, longrope: cos/sin scale; None = derived from factor
     # longrope: per-pair divisors of the frequencies, for contexts within the original and beyond it.
     short_factor: tuple[float, ...] | None = None
@@ -79,6 +80,7 @@ class ModelSpec:
     attention_softcap: float = 0.0  # > 0: attention scores soft-capped (Gemma 2)
     final_softcap: float = 0.0  # > 0: logits soft-capped (Gemma 2)
     clip_qkv: float | None = None  # q, k and v clamped to +-this after their projection (OLMoE's option)
+    attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
     local_rope: RopeSpec | None = None  # the sliding layers' own rotary settings (Gemma 3)
     sliding_window: int | None = None  # tokens a sliding-window layer attends back over (itself included)
     full_attention_layers: tuple[int, ...] = ()  # with a sliding window: the layers that attend to everything
@@ -92,6 +94,10 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-active expert
     norm_topk_prob: bool = True  # rescale the chosen experts' gates to sum to 1
     dense_mlp_layers: tuple[int, ...] = ()  # MoE models: layers with a dense MLP instead
+    expert_bias: bool = False  # the router and every expert projection have biases (GPT-OSS)
+    # GPT-OSS's experts: (alpha, limit) of gate * sigmoid(alpha * gate) * (up + 1), gate
+    # clamped above at limit and up to +-limit; None: SwiGLU.
+    clamped_swiglu: tuple[float, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -135,6 +141,8 @@ class ModelSpec:
             return f"{said('num_heads')} is not a multiple of {said('num_kv_heads')}"
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             return f"{said('num_experts_per_tok')} of {said('num_experts')} is not a valid routing"
+        if self.clamped_swiglu is not None and not all(math.isfinite(v) and 0 < v < 1e6 for v in self.clamped_swiglu):
+            return f"swiglu alpha and limit {self.clamped_swiglu} must be finite and positive"
         if self.num_experts and self.moe_intermediate_size <= 0:
             return f"{said('moe_intermediate_size')}: the experts' width must be positive"
         return None
@@ -156,6 +164,7 @@ class ModelSpec:
         q, kv = heads * head_dim, kv_heads * head_dim
         attention = hidden * (q + 2 * kv) + q * hidden + (q + 2 * kv if self.attention_bias else 0)
         attention += (self.qk_norm_size(q) + self.qk_norm_size(kv)) + (hidden if self.attention_out_bias else 0)
+        attention += heads if self.attention_sinks else 0
         norms = (4 if self.sandwich_norms else 2) * hidden
         mlp = 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden if self.mlp_bias else 0)
         total = active = self.vocab_size * hidden * (1 if self.tie_word_embeddings else 2) + hidden
@@ -167,7 +176,8 @@ class ModelSpec:
                 active += mlp
                 continue
             expert = 3 * hidden * self.moe_intermediate_size
-            always = self.num_experts * hidden  # the router
+            expert += 2 * self.moe_intermediate_size + hidden if self.expert_bias else 0
+            always = self.num_experts * (hidden + (1 if self.expert_bias else 0))  # the router
             if self.shared_expert_intermediate_size:
                 always += 3 * hidden * self.shared_expert_intermediate_size + hidden  # and its gate
             total += always + self.num_experts * expert

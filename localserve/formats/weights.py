@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight
-from . import hf
+from . import gpt_oss, hf
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight, loaded_nbytes
@@ -40,6 +40,8 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
     if checkpoint.gguf is not None:
         return _gguf_weights(checkpoint.gguf, checkpoint.spec)
     tensors = _safetensors(checkpoint.files)
+    if ARCHITECTURES[checkpoint.spec.architecture].packed_experts:
+        return gpt_oss.canonical_weights(tensors)
     return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors
 
 
@@ -75,7 +77,8 @@ def _gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[NamedWeight]:
         if match and isinstance(weight, torch.Tensor) and match[2] in MOE_NAMES:
             # Stacked experts [E, N, K] -> rows expert after expert, as quantized ones
             # come; the shared expert's gate, a vector in GGUF, is HF's [1, hidden].
-            weight = weight.reshape(-1, weight.shape[-1])
+            if weight.dim() == 3 or match[2] == "ffn_gate_inp_shexp":
+                weight = weight.reshape(-1, weight.shape[-1])
         heads = permuted_heads.get(match[2]) if match else None
         if heads is not None:
             rows = weight.shape[0]
@@ -117,6 +120,10 @@ def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorS
     for name, shape, stored in checkpoint.headers:
         if name == "lm_head.weight" and checkpoint.spec.tie_word_embeddings:
             continue  # the embeddings serve as the head
+        if stored == gpt_oss.MXFP4:
+            file_bytes, loaded = gpt_oss.mxfp4_bytes(*shape)
+            yield TensorSize(name, math.prod(shape), file_bytes, loaded)
+            continue
         if stored not in hf.SAFETENSORS_ITEM_BYTES:
             raise LocalserveError(f"tensor {name!r} has safetensors dtype {stored}, which localserve cannot load")
         numel = math.prod(shape)
