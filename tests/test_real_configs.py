@@ -56,6 +56,20 @@ OLMOE_1B_7B = {
     "tie_word_embeddings": False, "vocab_size": 50304, "bos_token_id": None, "eos_token_id": 50279,
     "pad_token_id": 1,
 }
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                      "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
 
 CASES = {
     "gemma-2-2b": (GEMMA_2_2B, "; a sliding window of 4,096 on 13 of 26 layers"),
@@ -64,6 +78,7 @@ CASES = {
     "phi-3.5-mini": (PHI_3_5_MINI, ""),
     "granite-3.1-2b": (GRANITE_3_1_2B, ""),
     "olmoe-1b-7b": (OLMOE_1B_7B, ""),
+    "gpt-oss-20b": (GPT_OSS_20B, "; a sliding window of 128 on 12 of 24 layers"),
 }
 
 
@@ -82,7 +97,7 @@ def test_parameter_counts_and_windows_of_real_configs(tmp_path: Path, name: str)
 
 def test_gemma_and_granite_read_as_their_references_compute() -> None:
     """The settings that are not sizes: Gemma's scales and caps, Gemma 3's two rotary
-    bases, Granite's multipliers, Phi-3.5's longrope."""
+    bases, Granite's multipliers, Phi-3.5's longrope, GPT-OSS's rope and experts."""
     gemma2 = spec_from_config(dict(GEMMA_2_2B))
     assert (gemma2.attention_softcap, gemma2.final_softcap, gemma2.query_scale) == (50.0, 30.0, 256**-0.5)
     assert gemma2.embedding_scale == 2304**0.5 and gemma2.norm_weight_offset == 1.0 and gemma2.hidden_act == "gelu_tanh"
@@ -96,3 +111,8 @@ def test_gemma_and_granite_read_as_their_references_compute() -> None:
     phi = spec_from_config(dict(PHI_3_5_MINI))
     assert phi.rope.kind == "longrope" and phi.rope.original_max_position == 4096 and phi.rope.factor == 32.0
     assert phi.window_of(0) is None
+    oss = spec_from_config(json.loads(json.dumps(GPT_OSS_20B)))
+    assert (oss.rope.kind, oss.rope.factor, oss.rope.original_max_position, oss.rope.truncate) == ("yarn", 32.0, 4096,
+                                                                                                  False)
+    assert oss.clamped_swiglu == (1.702, 7.0) and oss.attention_sinks and oss.expert_bias and oss.norm_topk_prob
+    assert oss.full_attention_layers == tuple(range(1, 24, 2)) and oss.attention_bias and oss.attention_out_bias
