@@ -190,7 +190,7 @@ class ExpertMLP:
 
     @classmethod
     def from_projections(cls, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights,
-                         biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                         biases: tuple[torch.Tensor, ...] | None = None,
                          activation: GatedActivation = SWIGLU) -> ExpertMLP:
         fused = _fuse_outputs([gate, up])
         gate_up_bias = torch.cat(biases[:2], dim=1) if biases is not None else None

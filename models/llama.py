@@ -73,7 +73,8 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm_whole:  # OLMoE: one norm over all heads' q, one over all k, then the clip
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k, v = self._clip(q), self._clip(k), self._clip(v)
+            if self.clip_qkv is not None:
+                q, k, v = self._clip(q), self._clip(k), self._clip(v)
             q = q.reshape(-1, self.num_heads, self.head_dim)
             k = k.reshape(-1, self.num_kv_heads, self.head_dim)
             v = v.reshape(-1, self.num_kv_heads, self.head_dim)

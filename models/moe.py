@@ -56,10 +56,7 @@ class Experts(nn.Module):
         """Stack the experts on ``device``; on the CPU, with ``int8_cpu``, the projections
         the int8 kernel takes are tiled for it, as ``Linear.finalize`` does."""
         gate, up, down = (self._stacked(p) for p in PROJECTIONS)
-        biases = None
-        if self.bias_parts is not None:
-            gate_bias, up_bias, down_bias = (self.bias_parts[(p, None)] for p in PROJECTIONS)
-            biases = (gate_bias, up_bias, down_bias)
+        biases = None if self.bias_parts is None else tuple(self.bias_parts[(p, None)] for p in PROJECTIONS)
         self.parts, self.bias_parts = {}, None
         self.mlp = ExpertMLP.from_projections(gate, up, down, biases, self.activation).to(device, dtype)
         if device.type == "cpu" and int8_cpu:

@@ -33,6 +33,11 @@ class Architecture:
     # HF checkpoints hold each layer's experts as 3-D tensors, MXFP4 or dense, renamed by
     # formats/gpt_oss.py (GPT-OSS).
     packed_experts: bool = False
+    attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
+    expert_bias: bool = False  # the router and every expert projection have biases (GPT-OSS)
+    # The experts' clamped SwiGLU (alpha, limit) (GPT-OSS; config.json may restate them,
+    # llama.cpp fixes them in code).
+    clamped_swiglu: tuple[float, float] | None = None
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -51,7 +56,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  renormalize_gates=False),
     # GPT-OSS: biases everywhere, attention sinks, sliding and full layers alternating, a
     # clamped SwiGLU in its experts, gates a softmax over the chosen experts' logits.
-    Architecture("gpt_oss", ("gpt_oss",), "gpt-oss", moe="gpt_oss", sliding_window_pattern=2, packed_experts=True),
+    Architecture("gpt_oss", ("gpt_oss",), "gpt-oss", moe="gpt_oss", sliding_window_pattern=2, packed_experts=True,
+                 attention_sinks=True, expert_bias=True, clamped_swiglu=(1.702, 7.0)),
     Architecture("granite", ("granite",), "granite", gguf_permuted_qk=True),
     Architecture("gemma2", ("gemma2",), "gemma2", gemma=True, tied_embeddings=True, sliding_window_pattern=2),
     Architecture("gemma3", ("gemma3_text",), "gemma3", gemma=True, tied_embeddings=True, qk_norm=True,

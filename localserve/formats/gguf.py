@@ -170,9 +170,10 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
 
 def _variant_fields(md: _Metadata, architecture: Architecture, hidden: int, heads: int,
                     head_dim: int) -> dict[str, Any]:
-    """Granite's multipliers, Gemma's scales, soft caps and windows, as llama.cpp reads
-    them; what llama.cpp fixes in code rather than the file (Gemma's window pattern and
-    local rotary base, its attention scale) is fixed here the same way."""
+    """Granite's multipliers, Gemma's scales, soft caps and windows, GPT-OSS's sinks and
+    experts, as llama.cpp reads them; what llama.cpp fixes in code rather than the file
+    (the window patterns, Gemma 3's local rotary base, Gemma's attention scale, GPT-OSS's
+    SwiGLU) is fixed here the same way."""
     fields: dict[str, Any] = dict(
         embedding_scale=md.get("embedding_scale", float, 1.0),
         residual_scale=md.get("residual_scale", float, 1.0),
@@ -181,28 +182,30 @@ def _variant_fields(md: _Metadata, architecture: Architecture, hidden: int, head
         attention_softcap=md.get("attn_logit_softcapping", float, 0.0),
         final_softcap=md.get("final_logit_softcapping", float, 0.0),
     )
-    if architecture.name == "gpt_oss":
-        # llama.cpp fixes these in code: every 2nd layer full, the experts' clamped SwiGLU.
-        layers = md.get("block_count", int)
-        window = md.get("attention.sliding_window", int)
-        return fields | dict(sliding_window=window or None, attention_sinks=True, expert_bias=True,
-                             clamped_swiglu=(1.702, 7.0),
-                             full_attention_layers=tuple(i for i in range(layers) if i % 2) if window else ())
+    # What llama.cpp fixes in code for GPT-OSS: sinks, biased experts, their SwiGLU.
+    fields |= dict(attention_sinks=architecture.attention_sinks, expert_bias=architecture.expert_bias,
+                   clamped_swiglu=architecture.clamped_swiglu)
+    layers = md.get("block_count", int)
+    pattern = architecture.sliding_window_pattern
+    if pattern:  # sliding and full layers alternating, every pattern-th layer full
+        window = md.get("attention.sliding_window", int, _WINDOW_DEFAULTS.get(architecture.name))
+        fields |= dict(sliding_window=window or None,
+                       full_attention_layers=tuple(i for i in range(layers) if (i + 1) % pattern == 0) if window else ())
     if not architecture.gemma:
         return fields
-    layers = md.get("block_count", int)
-    pattern = architecture.sliding_window_pattern or 1
     # The 27B models scale queries by hidden / heads, the others by the head size.
     large = (architecture.name, layers) in (("gemma2", 46), ("gemma3", 62))
-    window = md.get("attention.sliding_window", int, 4096 if architecture.name == "gemma2" else None)
     return fields | dict(
         # llama.cpp's converter stores Gemma's norm weights as 1 + w already.
         hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=hidden**0.5,
         attention_scale=(hidden // heads if large else head_dim) ** -0.5,
-        sliding_window=window or None,
-        full_attention_layers=tuple(i for i in range(layers) if (i + 1) % pattern == 0) if window else (),
         local_rope=RopeSpec(theta=10000.0) if architecture.name == "gemma3" else None,
     )
+
+
+# A window the file does not state: llama.cpp's default for Gemma 2; GPT-OSS must state
+# it (``...``: required); Gemma 3 without one attends fully.
+_WINDOW_DEFAULTS: dict[str, Any] = {"gemma2": 4096, "gpt_oss": ...}
 
 
 # What GGUF metadata calls the spec's fields (under "<arch>.").

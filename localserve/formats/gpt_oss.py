@@ -74,10 +74,9 @@ def _renamed(prefix: str, projection: str, shape: tuple[int, ...], dtype: str, b
              ) -> list[TensorHeader]:
     """gate_up splits in two of half the rows; shape is the canonical one of the whole."""
     kind = "bias" if bias else "weight"
-    if projection == "down_proj":
-        return [(f"{prefix}experts.down_proj.{kind}", shape, dtype)]
     half = (shape[0], shape[1] // 2) if bias else (shape[0] // 2, shape[1])
-    return [(f"{prefix}experts.{name}.{kind}", half, dtype) for name in ("gate_proj", "up_proj")]
+    shapes = [shape] if projection == "down_proj" else [half, half]
+    return [(name, part, dtype) for name, part in _split(prefix, projection, kind, shapes)]
 
 
 def _dense_shape(name: str, shape: tuple[int, ...], bias: bool) -> tuple[int, ...]:
@@ -92,6 +91,7 @@ def _dense_shape(name: str, shape: tuple[int, ...], bias: bool) -> tuple[int, ..
 
 
 def _mxfp4_shape(blocks: TensorHeader, scales: TensorHeader) -> tuple[int, int]:
+    """The canonical [E * rows, K] of an MXFP4 pair, whose headers are checked here."""
     (name, shape, dtype), (scale_name, scale_shape, scale_dtype) = blocks, scales
     if len(shape) != 4 or shape[-1] != _BLOCK // 2 or scale_shape != shape[:-1] or dtype != "U8" or scale_dtype != "U8":
         raise LocalserveError(f"tensors {name} {shape} {dtype} and {scale_name} {scale_shape} {scale_dtype} are not "
@@ -152,8 +152,7 @@ def _mxfp4_weights(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> lis
     from ..kernels.quant_weight import QuantWeight
     from .gguf_quants import MXFP4_VALUES, e8m0_half
 
-    _mxfp4_shape((f"{name}_blocks", tuple(blocks.shape), "U8" if blocks.dtype == torch.uint8 else str(blocks.dtype)),
-                 (f"{name}_scales", tuple(scales.shape), "U8" if scales.dtype == torch.uint8 else str(scales.dtype)))
+    # The headers were checked when the checkpoint was opened (canonical_headers).
     codebook = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
     # e2m1 value v * 2 ** (e - 127) == (2 v) * 2 ** (e - 128): GGUF's doubled codebook, halved scale.
     selections = [slice(None)] if name.endswith("down_proj") else [slice(0, None, 2), slice(1, None, 2)]

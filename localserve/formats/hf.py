@@ -104,9 +104,11 @@ def _moe_fields(arch: Architecture, config: dict[str, Any]) -> dict[str, Any]:
                              norm_topk_prob=bool(config.get("norm_topk_prob", False)))
     if arch.moe == "gpt_oss":
         # A softmax over the chosen experts' logits is the full softmax renormalised over them.
+        assert arch.clamped_swiglu is not None
+        alpha, limit = arch.clamped_swiglu
         return fields | dict(moe_intermediate_size=int(config["intermediate_size"]), norm_topk_prob=True,
-                             expert_bias=True, clamped_swiglu=(float(config.get("swiglu_alpha", 1.702)),
-                                                               float(config.get("swiglu_limit", 7.0))))
+                             expert_bias=arch.expert_bias, clamped_swiglu=(float(config.get("swiglu_alpha", alpha)),
+                                                                           float(config.get("swiglu_limit", limit))))
     # Qwen MoE: a layer is sparse unless listed in mlp_only_layers or off decoder_sparse_step.
     step = int(config.get("decoder_sparse_step") or 1)
     only_dense = {int(i) for i in config.get("mlp_only_layers") or []}
@@ -138,7 +140,7 @@ def _variant_fields(arch: Architecture, config: dict[str, Any], hidden_size: int
         attention_softcap=float(config.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(config.get("final_logit_softcapping") or 0.0),
         clip_qkv=float(config["clip_qkv"]) if config.get("clip_qkv") is not None else None,
-        attention_sinks=arch.name == "gpt_oss",
+        attention_sinks=arch.attention_sinks,
     )
 
 
@@ -321,7 +323,8 @@ def quant_config_from(config: dict[str, Any]) -> QuantConfig | None:
     if not isinstance(raw, dict):
         raise LocalserveError("config.json: quantization_config must be an object")
     method = raw.get("quant_method")
-    if method == "mxfp4" and config.get("model_type") == "gpt_oss":
+    arch = HF_MODEL_TYPES.get(config.get("model_type"))  # type: ignore[arg-type]
+    if method == "mxfp4" and arch is not None and arch.packed_experts:
         return None  # its MXFP4 experts are read by formats/gpt_oss.py
     bits = raw.get("bits", raw.get("w_bit"))
     group_size = raw.get("group_size", raw.get("q_group_size", 128))
