@@ -1,8 +1,9 @@
-"""Tiny GGUF files (llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite, Gemma) written with gguf-py, and the independent
+"""Tiny GGUF files (llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite, Gemma, Phi-3) written with gguf-py, and the independent
 reference: an HF fp32 model carrying gguf-py's own dequantization of every tensor."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ LAYER_TO_GGUF = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    # Phi-3's fused projections: gate and up stay stacked in ffn_up.
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -34,7 +37,7 @@ GEMMA_NORMS_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_f
 # transformers model_type -> GGUF architecture
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
                       "olmoe": "olmoe", "gpt_oss": "gpt-oss",
-                      "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                      "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 # The converter permutes Q/K rows for these (its Llama model and subclasses).
 PERMUTED_QK = {"llama", "granite"}
 # GPT-OSS's pre-MLP norm and router, as the converter names them.
@@ -74,8 +77,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         array = tensor.float().numpy()
         if arch in GEMMA and name.endswith("norm.weight"):
             array = array + 1  # the converter stores Gemma's norms as 1 + w
-        if arch in GEMMA and name == "lm_head.weight":
-            continue  # tied
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         if arch == "gpt-oss" and ".mlp.experts." in name:  # [E, in, out], gate and up interleaved
             tensors.update(gpt_oss_experts(name, array))
             continue
@@ -179,9 +182,9 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = (), expert_q
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 10000.0)))
     if arch == "granite":
         writer.add_embedding_scale(config.embedding_multiplier)
@@ -193,6 +196,15 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = (), expert_q
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if arch == "phi3":  # the converter writes 0 for none; llama.cpp ignores Phi's window either way
+        writer.add_sliding_window(config.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":  # as the Phi-3 converter writes it: no scaling type
+        original = config.original_max_position_embeddings
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        for which in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{which}.weight", np.array(rope[f"{which}_factor"], dtype=np.float32))
     if arch == "gpt-oss":
         writer.add_sliding_window(config.sliding_window)
         writer.add_expert_feed_forward_length(config.intermediate_size)
@@ -247,7 +259,7 @@ def dequantized_reference(path: Path, model):
     llama = arch in PERMUTED_QK
     state = {}
     for name, tensor in model.state_dict().items():
-        if arch in GEMMA and name == "lm_head.weight":
+        if name == "lm_head.weight" and config.tie_word_embeddings:
             array = values["token_embd.weight"]
         elif arch == "gpt-oss" and ".mlp.experts." in name:
             array = gpt_oss_packed(name, values)
@@ -298,10 +310,12 @@ def tiny_moe(kind: str, seed: int = 5):
 
 
 def tiny_variant(kind: str, seed: int = 7):
-    """Granite, Gemma 2 and Gemma 3 at widths every GGUF type can hold (rows of 256): the
-    variants' settings as in tests/conftest.py's tiny configs, with a sliding window of 12
-    over 4 layers (Gemma 3: its 6th layer full), initialised as ``tiny_llama``."""
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig)
+    """Granite, Gemma 2, Gemma 3 and Phi-3 at widths every GGUF type can hold (rows of
+    256): the variants' settings as in tests/conftest.py's tiny configs, with a sliding
+    window of 12 over 4 layers (Gemma 3: its 6th layer full); Phi-3 as Phi-4-mini (tied,
+    longrope over a 64-token original context on 3/4 of each head); initialised as
+    ``tiny_llama``."""
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, Phi3Config)
 
     hidden = 256
     base = dict(vocab_size=512, hidden_size=hidden, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -313,6 +327,13 @@ def tiny_variant(kind: str, seed: int = 7):
     elif kind == "gemma2":
         config = Gemma2Config(**base, head_dim=64, query_pre_attn_scalar=64, sliding_window=12,
                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    elif kind == "phi3":
+        config = Phi3Config(**base, tie_word_embeddings=True, original_max_position_embeddings=64,
+                            sliding_window=None, partial_rotary_factor=0.75,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.75,
+                                             "short_factor": [1.0 + i / 20 for i in range(24)],
+                                             "long_factor": [1.0 + i / 2 for i in range(24)]})
     else:
         config = Gemma3TextConfig(**{**base, "num_hidden_layers": 6}, head_dim=64, query_pre_attn_scalar=64,
                                   sliding_window=12,
@@ -321,9 +342,10 @@ def tiny_variant(kind: str, seed: int = 7):
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
     reinitialise(model, seed=seed)
-    if kind == "granite":  # unit-scale residual stream, as tiny_llama's (Gemma scales its own)
+    # Unit-scale residual stream, as tiny_llama's (Gemma scales its own).
+    if kind in ("granite", "phi3"):
         with torch.no_grad():
-            model.model.embed_tokens.weight.mul_(hidden**0.5 / config.embedding_multiplier)
+            model.model.embed_tokens.weight.mul_(hidden**0.5 / getattr(config, "embedding_multiplier", 1.0))
     return model.eval()
 
 

@@ -122,6 +122,12 @@ GGUF_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("yarn without context", {"metadata": {"llama.rope.scaling.type": ("yarn", "STRING")}},
      "original_context_length"),
     ("rope_freqs wrong length", {"tensors": {"rope_freqs.weight": np.ones(5)}}, "plain floats"),
+    ("longrope long factors alone", {"tensors": {"rope_factors_long.weight": np.ones(8)}}, "come together"),
+    ("longrope without original context", {"tensors": {"rope_factors_long.weight": np.ones(8),
+                                                       "rope_factors_short.weight": np.ones(8)}},
+     "original_context_length is missing"),
+    ("longrope factors wrong length", {"tensors": {"rope_factors_long.weight": np.ones(3),
+                                                   "rope_factors_short.weight": np.ones(3)}}, "plain floats"),
     ("vocab longer than the embedding", {"metadata": {"tokenizer.ggml.tokens": (["a"] * 40, "ARRAY")}},
      "40 tokens but 32 embedding rows"),
 ]

@@ -1,4 +1,4 @@
-"""GGUF files' metadata (llama, qwen2, qwen3, granite, gemma2, gemma3 architectures; Mixtral
+"""GGUF files' metadata (llama, qwen2, qwen3, granite, gemma2, gemma3, phi3 architectures; Mixtral
 as llama with experts, qwen2moe, qwen3moe, olmoe, gpt-oss) -> ModelSpec and chat template, and the map from GGUF
 tensor names to HF's (the experts' stacked ``*_exps`` tensors to
 ``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert). Needs no
@@ -27,6 +27,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one tensor
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -57,9 +58,16 @@ _GEMMA_NORMS = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3's ffn_up holds gate and up stacked, as HF's gate_up_proj (there is no ffn_gate).
+_FUSED_NAMES = {"ffn_up": "mlp.gate_up_proj"}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Per-dimension rotary frequency divisors (llama.cpp's form of llama3 rope scaling).
+# Per-pair rotary frequency divisors: llama.cpp's form of llama3 rope scaling, and
+# longrope's two sets (Phi-3.5/4), chosen by the served context as llama.cpp does.
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+# Tensors read with the metadata, into the spec, rather than loaded as weights.
+ROPE_TENSORS = (ROPE_FREQS, ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)
 
 
 def hf_name(name: str, architecture: str) -> str | None:
@@ -68,6 +76,8 @@ def hf_name(name: str, architecture: str) -> str | None:
     match = LAYER_TENSOR.fullmatch(name)
     if match and match[2] in _BARE_NAMES and match[3] == "weight":
         return f"model.layers.{match[1]}.{_BARE_NAMES[match[2]]}"
+    if match and ARCHITECTURES[architecture].fused_projections and match[2] in _FUSED_NAMES:
+        return f"model.layers.{match[1]}.{_FUSED_NAMES[match[2]]}.{match[3]}"
     if match and ARCHITECTURES[architecture].gemma and match[2] in _GEMMA_NORMS:
         return f"model.layers.{match[1]}.{_GEMMA_NORMS[match[2]]}.{match[3]}"
     if match and match[2] in _LAYER_NAMES:
@@ -237,14 +247,33 @@ def _rope(gguf: GGUFFile, md: _Metadata, head_dim: int) -> RopeSpec:
             raise LocalserveError(f"{gguf.path}: yarn rope scaling needs rope.scaling.original_context_length")
     elif kind != "none":
         raise LocalserveError(f"{gguf.path}: rope scaling type {kind!r} is not supported (linear, yarn)")
-    info = gguf.tensors.get(ROPE_FREQS)
-    if info is not None:
-        stored = _PLAIN_FLOATS.get(info.ggml_type)
-        if stored is None or info.shape != (rotary_dim // 2,):
-            raise LocalserveError(f"{gguf.path}: {ROPE_FREQS} must be {rotary_dim // 2} plain floats (F32 or F16)")
-        factors = gguf.tensor_bytes(ROPE_FREQS).view(stored)
-        rope.freq_factors = tuple(float(f) for f in factors)
+    pairs = rotary_dim // 2
+    rope.freq_factors = _float_vector(gguf, ROPE_FREQS, pairs)
+    rope.short_factor = _float_vector(gguf, ROPE_FACTORS_SHORT, pairs)
+    rope.long_factor = _float_vector(gguf, ROPE_FACTORS_LONG, pairs)
+    if (rope.short_factor is None) != (rope.long_factor is None):
+        raise LocalserveError(f"{gguf.path}: {ROPE_FACTORS_SHORT} and {ROPE_FACTORS_LONG} come together")
+    if rope.long_factor is not None:
+        # longrope as llama.cpp's converter writes it: no scaling type, the factor sets as
+        # tensors, the growth as the two context lengths, the cos/sin scale stated.
+        original = md.get("rope.scaling.original_context_length", int)
+        if not original:
+            raise LocalserveError(f"{gguf.path}: rope.scaling.original_context_length must be positive")
+        rope.kind, rope.original_max_position = "longrope", original
+        rope.factor = md.get("context_length", int, original) / original
+        rope.attention_factor = md.get("rope.scaling.attn_factor", float, None)
     return rope
+
+
+def _float_vector(gguf: GGUFFile, name: str, length: int) -> tuple[float, ...] | None:
+    """A small F32/F16 tensor of ``length`` values read as metadata, or None if absent."""
+    info = gguf.tensors.get(name)
+    if info is None:
+        return None
+    stored = _PLAIN_FLOATS.get(info.ggml_type)
+    if stored is None or info.shape != (length,):
+        raise LocalserveError(f"{gguf.path}: {name} must be {length} plain floats (F32 or F16)")
+    return tuple(float(f) for f in gguf.tensor_bytes(name).view(stored))
 
 
 # GGML type id -> numpy dtype, for the small float vectors read with the metadata.

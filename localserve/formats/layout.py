@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
 from .architectures import ARCHITECTURES
-from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
+from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_TENSORS, hf_name
 from .gguf_file import GGML_TYPES, LOADABLE_TYPES
 from .gpt_oss import MXFP4
 from .hf import SAFETENSORS_ITEM_BYTES, QuantConfig
@@ -162,7 +162,7 @@ def _gguf_tensors(checkpoint: Checkpoint) -> Iterator[FileTensor]:
     gguf, architecture = checkpoint.gguf, checkpoint.spec.architecture
     assert gguf is not None
     for info in gguf.tensors.values():
-        if info.name == ROPE_FREQS:
+        if info.name in ROPE_TENSORS:
             continue  # read with the metadata
         name = hf_name(info.name, architecture)
         if name is None:

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight
 from . import gpt_oss, hf
-from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_FREQS, hf_name
+from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_TENSORS, hf_name
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight, loaded_nbytes
 from .hf_quant import convert_quantized
@@ -66,7 +66,7 @@ def _gguf_weights(gguf: GGUFFile, spec: ModelSpec) -> Iterator[NamedWeight]:
     permuted = ARCHITECTURES[spec.architecture].gguf_permuted_qk
     permuted_heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads} if permuted else {}
     for info in gguf.tensors.values():
-        if info.name == ROPE_FREQS:
+        if info.name in ROPE_TENSORS:
             continue  # read with the metadata, into the spec
         name = hf_name(info.name, spec.architecture)
         if name is None:
@@ -111,7 +111,7 @@ def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorS
     if checkpoint.gguf is not None:
         gguf = checkpoint.gguf
         for info in gguf.tensors.values():
-            if info.name == ROPE_FREQS:
+            if info.name in ROPE_TENSORS:
                 continue
             loaded = loaded_nbytes(info.name, info.ggml_type, info.shape, item_bytes)
             yield TensorSize(info.name, info.n_elements, gguf.tensor_nbytes(info.name), loaded)
