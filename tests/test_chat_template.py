@@ -258,6 +258,16 @@ def test_from_dir_prefers_jinja_files(tmp_path: Path) -> None:
         ChatTemplate.from_dir(tmp_path)
 
 
+def test_from_dir_falls_back_to_the_processor_template(tmp_path: Path) -> None:
+    """Image-text checkpoints may keep their template in the processor's chat_template.json
+    only; it serves when the tokenizer has none, and never overrides the tokenizer's."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "processor {{ eos_token }}"}))
+    assert ChatTemplate.from_dir(tmp_path).render(CHAT) == "processor <eos>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": "tokenizer"}))
+    assert ChatTemplate.from_dir(tmp_path).render(CHAT) == "tokenizer"
+
+
 # --- helpers and jinja features, against transformers ----------------------------------------
 
 @pytest.mark.parametrize("source", [

@@ -116,3 +116,40 @@ def test_gemma_and_granite_read_as_their_references_compute() -> None:
                                                                                                   False)
     assert oss.clamped_swiglu == (1.702, 7.0) and oss.attention_sinks and oss.expert_bias and oss.norm_topk_prob
     assert oss.full_attention_layers == tuple(range(1, 24, 2)) and oss.attention_bias and oss.attention_out_bias
+
+
+# Gemma 3 4B as released: an image-text model whose text_config states only what differs
+# from Gemma3TextConfig's defaults (heads, vocabulary, rotary bases, query scale omitted).
+GEMMA_3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02,
+    "mm_tokens_per_image": 256, "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_gemma_3_4b_text_model_counts_as_transformers_builds_it(tmp_path: Path) -> None:
+    """The released config's text model: as many parameters as transformers' language
+    model built from the same file, its windows and rotary settings as transformers reads
+    them (the vision tower is not served)."""
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    from localserve.formats.multimodal import text_config
+
+    spec = spec_from_config(text_config(json.loads(json.dumps(GEMMA_3_4B_IT))))
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT))
+    config = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        reference = Gemma3ForConditionalGeneration(config)
+    assert spec.parameter_counts().total == reference.model.language_model.num_parameters()
+    assert _windows(spec) == "; a sliding window of 1,024 on 29 of 34 layers"
+    text = config.text_config
+    assert spec.full_attention_layers == tuple(i for i, kind in enumerate(text.layer_types) if kind == "full_attention")
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (8, 4, 256, 262_208)
+    assert (spec.rope.kind, spec.rope.factor, spec.rope.theta) == ("linear", 8.0, 1e6)
+    assert spec.local_rope is not None and spec.local_rope.theta == 1e4 and spec.eos_token_ids == [1, 106]

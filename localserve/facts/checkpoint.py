@@ -75,6 +75,7 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         "vocab_size": spec.vocab_size,
         "file_bytes": file_bytes,
         "license": gguf_license(checkpoint),
+        "image_text": checkpoint.image_text,
     }
     lines = [
         ("model", str(checkpoint.path)),
@@ -85,6 +86,8 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         ("vocabulary", f"{spec.vocab_size:,} tokens"),
         ("weights", f"{info['quantization']}; {human_bytes(file_bytes)}"),
     ]
+    if checkpoint.image_text:
+        lines.insert(2, ("images", "not served: the text model runs, its vision tower is not loaded"))
     return info, lines
 
 

@@ -17,7 +17,7 @@ from ..errors import LocalserveError
 from ..text.chat_template import ChatTemplate
 from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..text.tokenizer import Tokenizer
-from . import gpt_oss, hf
+from . import gpt_oss, hf, multimodal
 from .architectures import ARCHITECTURES
 from .gguf import chat_template_from_gguf, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
@@ -39,6 +39,8 @@ class Checkpoint:
     headers: list[TensorHeader] = field(default_factory=list)
     quant: QuantConfig | None = None  # GPTQ/AWQ layers come out as QuantWeights
     gguf: GGUFFile | None = None  # the parsed file, for .gguf checkpoints
+    # An image-text HF checkpoint whose text model alone is read (formats/multimodal.py).
+    image_text: bool = False
 
     def weights(self) -> Iterator[NamedWeight]:
         """(HF name, weight) for every weight, read from the files as iterated."""
@@ -89,17 +91,21 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         gguf = read_gguf(path)
         return Checkpoint(path=path, spec=spec_from_gguf(gguf), files=[], gguf=gguf)
     config = hf.read_config(path)
-    spec = hf.spec_from_config(config)
+    text_config = multimodal.text_config(config)
+    spec = hf.spec_from_config(text_config or config)
     quant = quant_config_from(config)
     if quant is not None:
         _check_group_size(spec, quant)
     files = hf.shard_files(path)
     headers = hf.read_headers(files)
+    if text_config is not None:
+        headers = multimodal.text_headers(headers)
     if ARCHITECTURES[spec.architecture].packed_experts:
         headers = gpt_oss.canonical_headers(headers)
     hf.check_headers(spec, headers)
     _merge_generation_eos(path, spec)
-    return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant)
+    return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant,
+                      image_text=text_config is not None)
 
 
 def _check_group_size(spec: ModelSpec, quant: QuantConfig) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight
-from . import gpt_oss, hf
+from . import gpt_oss, hf, multimodal
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_TENSORS, hf_name
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight, loaded_nbytes
@@ -39,15 +39,18 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
     """(HF name, weight) for every weight of the checkpoint, read as iterated."""
     if checkpoint.gguf is not None:
         return _gguf_weights(checkpoint.gguf, checkpoint.spec)
-    tensors = _safetensors(checkpoint.files)
+    # An image-text checkpoint's vision tensors are skipped unread.
+    tensors = _safetensors(checkpoint.files, multimodal.text_name if checkpoint.image_text else None)
     if ARCHITECTURES[checkpoint.spec.architecture].packed_experts:
         return gpt_oss.canonical_weights(tensors)
     return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors
 
 
-def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor in the shards. safetensors validates the header
-    and every offset against the file size before handing out data."""
+def _safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor in the shards, under ``rename``'s names (None:
+    skipped unread). safetensors validates the header and every offset against the file
+    size before handing out data."""
     seen: set[str] = set()
     for path in files:
         try:
@@ -56,7 +59,9 @@ def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     if name in seen:
                         raise LocalserveError(f"{path}: tensor {name} appears in two shards")
                     seen.add(name)
-                    yield name, handle.get_tensor(name)
+                    renamed = rename(name) if rename is not None else name
+                    if renamed is not None:
+                        yield renamed, handle.get_tensor(name)
         except SafetensorError as exc:
             raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from exc
 

@@ -471,7 +471,8 @@ class ChatTemplate:
     def from_dir(cls, path: str | Path, **options: Any) -> ChatTemplate:
         """From a checkpoint or tokenizer folder, as transformers finds templates there:
         `tokenizer_config.json`, overridden by `chat_template.jinja` (the default template)
-        and `additional_chat_templates/NAME.jinja` (named ones) when present."""
+        and `additional_chat_templates/NAME.jinja` (named ones) when present; an image-text
+        processor's `chat_template.json` when neither holds a default template."""
         folder = Path(path)
         config: Any = {}
         config_file = folder / "tokenizer_config.json"
@@ -481,6 +482,13 @@ class ChatTemplate:
             templates = {}
             if (folder / "chat_template.jinja").is_file():
                 templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            processor_file = folder / "chat_template.json"
+            if ("default" not in templates and not (isinstance(config, dict) and config.get("chat_template"))
+                    and processor_file.is_file()):
+                # An image-text model's processor template, used when the tokenizer has none.
+                processor = json.loads(processor_file.read_text(encoding="utf-8"))
+                if isinstance(processor, dict) and isinstance(processor.get("chat_template"), str):
+                    templates["default"] = processor["chat_template"]
             extra_dir = folder / "additional_chat_templates"
             if extra_dir.is_dir():
                 for file in sorted(extra_dir.glob("*.jinja")):

@@ -1,0 +1,76 @@
+"""The text model of an image-text HF checkpoint (Gemma 3 4B, 12B, 27B: ``model_type``
+``gemma3``), read as the text-only checkpoint it contains; the vision tower and projector
+are left unread, since localserve takes text alone.
+
+Such a checkpoint nests the language model's settings under ``text_config`` and its
+tensors under a prefix: ``language_model.model.`` (the released files, written by
+transformers 4.5x) or ``model.language_model.`` (transformers 5). transformers saves a
+nested config as its difference from the text config class's defaults, so the released
+``text_config`` omits every default (Gemma 3 4B's names no head count, vocabulary or rotary
+base): those defaults, the ones the files were written against, are restated here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import LocalserveError
+from .hf import TensorHeader
+
+
+@dataclass(frozen=True, slots=True)
+class ImageTextModel:
+    text_model_type: str  # the text config's model_type
+    text_defaults: dict[str, Any] = field(default_factory=dict)  # the text config class's defaults
+
+
+# transformers 4.50's Gemma3TextConfig defaults, as far as the readers consult them.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": 1, "attention_bias": False,
+}
+
+IMAGE_TEXT_MODELS = {"gemma3": ImageTextModel("gemma3_text", _GEMMA3_TEXT_DEFAULTS)}
+
+# Where the language model's tensors live -> the text-only checkpoint's names.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+
+# Keys of the outer config that describe the text model too.
+_SHARED_KEYS = ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "tie_word_embeddings")
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The text model's full config when ``config`` is an image-text model's, else None."""
+    wrapper = IMAGE_TEXT_MODELS.get(config.get("model_type"))  # type: ignore[arg-type]
+    if wrapper is None:
+        return None
+    nested = config.get("text_config") or {}
+    if not isinstance(nested, dict):
+        raise LocalserveError("config.json: text_config must be an object")
+    # The outer config's end tokens and dtype are the model's as a whole (the nested ones
+    # may be the text config's defaults).
+    outer = {key: config[key] for key in _SHARED_KEYS if config.get(key) is not None}
+    text = {**wrapper.text_defaults, **nested, **outer}
+    text["model_type"] = nested.get("model_type") or wrapper.text_model_type
+    if text["model_type"] != wrapper.text_model_type:
+        raise LocalserveError(f"config.json: a {config['model_type']} model's text_config must be "
+                              f"{wrapper.text_model_type}, not {text['model_type']!r}")
+    return text
+
+
+def text_name(name: str) -> str | None:
+    """The text-only checkpoint's name for a tensor, or None for the vision side's."""
+    for prefix, canonical in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return canonical + name[len(prefix):]
+    return None
+
+
+def text_headers(headers: Iterable[TensorHeader]) -> list[TensorHeader]:
+    return [(renamed, shape, dtype) for name, shape, dtype in headers if (renamed := text_name(name)) is not None]
