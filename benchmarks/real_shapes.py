@@ -65,11 +65,15 @@ class Shape:
     experts_used: int = 0
     expert_ffn: int = 0
     head_dim: int | None = None
+    sliding_window: int = 0  # Gemma 2: every other layer slides
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 16, 2048, 32, 8, 8192, 128256, 500000.0),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 12, 2, 8960, 151936, 1000000.0, qkv_bias=True),
+    # Gemma-2-2B: GeGLU, four norms a layer, soft caps 50/30, a 4,096 window on every other
+    # layer, heads of 256, a 256,000-token vocabulary (tied).
+    "gemma-2-2b": Shape("gemma2", 26, 2304, 8, 4, 9216, 256000, 10000.0, head_dim=256, sliding_window=4096),
     # Qwen3-30B-A3B's layer (128 experts, 8 used, expert FFN 768, head_dim 128) at 12 layers
     # and hidden 1024 so its F16 source fits this machine's memory.
     "qwen3-moe-small": Shape("qwen3moe", 12, 1024, 16, 4, 0, 151936, 1000000.0, experts=128, experts_used=8,
@@ -113,6 +117,10 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(shape.rope_theta)
+    if shape.arch == "gemma2":
+        writer.add_sliding_window(shape.sliding_window)
+        writer.add_attn_logit_softcapping(50.0)
+        writer.add_final_logit_softcapping(30.0)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -143,6 +151,9 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
         b = f"blk.{i}"
         vector(f"{b}.attn_norm.weight", shape.hidden, 1.0)
         vector(f"{b}.ffn_norm.weight", shape.hidden, 1.0)
+        if shape.arch == "gemma2":  # its norms after attention and after the MLP
+            vector(f"{b}.post_attention_norm.weight", shape.hidden, 1.0)
+            vector(f"{b}.post_ffw_norm.weight", shape.hidden, 1.0)
         add(f"{b}.attn_q.weight", q, shape.hidden)
         add(f"{b}.attn_k.weight", kv, shape.hidden)
         add(f"{b}.attn_v.weight", kv, shape.hidden)
