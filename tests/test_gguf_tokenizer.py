@@ -246,8 +246,6 @@ def test_llama3_defaults() -> None:
     [
         ({"tokenizer.ggml.model": "t5"}, "'t5' is not supported"),
         ({"tokenizer.ggml.model": None}, "no tokenizer.ggml.model"),
-        ({"tokenizer.ggml.pre": "deepseek-coder"}, "'deepseek-coder'"),
-        ({"tokenizer.ggml.pre": None}, "pre-tokenizer None"),
         ({"tokenizer.ggml.merges": None}, "tokenizer.ggml.merges"),
         ({"tokenizer.ggml.merges": ["Ġ nosuchtoken"]}, "not in the vocabulary"),
         ({"tokenizer.ggml.bos_token_id": "50256"}, "bos_token_id"),

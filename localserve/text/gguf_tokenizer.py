@@ -8,8 +8,10 @@ token ids equal llama.cpp's (checked against llama.cpp's own test vectors):
   result has the highest score, leftmost first on a tie, and falls back to `<0xXX>` byte tokens
   for what no token covers. A BPE model reproduces that when its merge ranks follow the scores
   of the merged tokens, with every way of splitting a token into two tokens as a merge.
-- `gpt2` (byte-level BPE): the file's merges as they are, with the pre-tokenizer regex named
-  by `tokenizer.ggml.pre`.
+- `gpt2` (BPE): the file's merges as they are, after the split llama.cpp makes for the
+  `tokenizer.ggml.pre` name (gguf_pre_tokenizers). Nearly all of these vocabularies are
+  byte-level (GPT-2's byte-to-character mapping); a few pre-tokenizers mean raw UTF-8 with
+  `<0xXX>` byte tokens instead, and one of those spaces as "▁".
 
 Control, unknown and user-defined tokens are matched whole in the text before the model runs,
 as llama.cpp does with parse_special on: control and unknown ones as special tokens (dropped by
@@ -22,10 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import LocalserveError
+from .gguf_pre_tokenizers import PreTokenizer, pre_tokenizer_for
 from .tokenizer import Tokenizer
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`, gguf-py's TokenType).
@@ -38,39 +41,6 @@ _EOG_TEXTS = frozenset(
 )
 
 _SPM_SPACE = "\u2581"  # "▁", SentencePiece's visible space
-
-# The cl100k-style split llama.cpp uses for Llama 3 vocabularies; Qwen2's differs only in taking
-# digits one at a time instead of up to three.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True)
-class _PreTokenizer:
-    """How llama.cpp splits text for one `tokenizer.ggml.pre` value before BPE runs."""
-
-    split: str | None  # None: GPT-2's own regex, which the ByteLevel pre-tokenizer has built in
-    ignore_merges: bool = False  # a pre-token that is itself in the vocab is taken whole
-    add_bos: bool = False  # llama.cpp's default when the file has no add_bos_token
-
-
-_GPT2 = _PreTokenizer(split=None)
-_LLAMA3 = _PreTokenizer(split=_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
-_QWEN2 = _PreTokenizer(split=_QWEN2_SPLIT)
-
-# The names llama.cpp maps to each of these pre-tokenizer types.
-_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {
-    **dict.fromkeys(["gpt-2", "phi-2", "roberta-bpe"], _GPT2),
-    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"], _LLAMA3),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez", "kormo"], _QWEN2),
-}
-
 
 @dataclass(frozen=True)
 class _Vocab:
@@ -89,8 +59,8 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> Tokenizer:
         backend, add_bos = _spm_backend(metadata, vocab), True
         default_bos, default_eos = 1, 2  # llama.cpp's defaults for SentencePiece vocabularies
     elif model == "gpt2":
-        pre = _pre_tokenizer(metadata)
-        backend, add_bos = _byte_level_backend(metadata, vocab, pre), pre.add_bos
+        pre = pre_tokenizer_for(metadata.get("tokenizer.ggml.pre"))
+        backend, add_bos = _bpe_backend(metadata, vocab, pre), pre.add_bos
         default_bos = default_eos = None
     else:
         raise LocalserveError(
@@ -202,18 +172,7 @@ def _merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[
     return [(left, right) for *_, left, right in ranked]
 
 
-def _pre_tokenizer(metadata: Mapping[str, Any]) -> _PreTokenizer:
-    name = metadata.get("tokenizer.ggml.pre")
-    spec = _PRE_TOKENIZERS.get(name) if isinstance(name, str) else None
-    if spec is None:
-        supported = ", ".join(sorted(_PRE_TOKENIZERS))
-        raise LocalserveError(
-            f"GGUF pre-tokenizer {name!r} (tokenizer.ggml.pre) is not supported; supported: {supported}"
-        )
-    return spec
-
-
-def _byte_level_backend(metadata: Mapping[str, Any], vocab: _Vocab, pre: _PreTokenizer) -> HFTokenizer:
+def _bpe_backend(metadata: Mapping[str, Any], vocab: _Vocab, pre: PreTokenizer) -> HFTokenizer:
     raw_merges = metadata.get("tokenizer.ggml.merges")
     if not _is_list_of(raw_merges, str):
         raise LocalserveError("GGUF metadata: a 'gpt2' tokenizer needs tokenizer.ggml.merges (strings)")
@@ -226,17 +185,24 @@ def _byte_level_backend(metadata: Mapping[str, Any], vocab: _Vocab, pre: _PreTok
         if left not in vocab.ids or right not in vocab.ids:
             raise LocalserveError(f"GGUF metadata: merge {merge!r} names a token not in the vocabulary")
         merges.append((left, right))
-    backend = HFTokenizer(models.BPE(vocab=vocab.ids, merges=merges, ignore_merges=pre.ignore_merges))
-    if pre.split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    model = models.BPE(
+        vocab=vocab.ids,
+        merges=merges,
+        ignore_merges=pre.ignore_merges,
+        # Raw UTF-8 vocabularies spell what no token covers as <0xXX> byte tokens, as llama.cpp does.
+        byte_fallback=not pre.byte_encode,
+    )
+    backend = HFTokenizer(model)
+    if pre.escape_spaces:
+        backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    backend.pre_tokenizer = pre.hf_pre_tokenizer()
+    if pre.byte_encode:
+        backend.decoder = decoders.ByteLevel()
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
+        steps: list[decoders.Decoder] = [decoders.ByteFallback(), decoders.Fuse()]
+        if pre.escape_spaces:
+            steps.insert(0, decoders.Replace(_SPM_SPACE, " "))
+        backend.decoder = decoders.Sequence(steps)
     return backend
 
 
