@@ -22,7 +22,8 @@ class QuantWeight:
     - ``scales[n, g] * (q - zeros[n, g])`` when ``zeros`` is set (GPTQ, AWQ, Q4_0, Q6_K, ...)
     - ``scales[n, g] * q - mins[n, g]`` when ``mins`` is set (Q4_1, Q4_K, ...)
     - ``scales[n, g] * codebook[q]`` when ``codebook`` is set: a non-linear 4-bit code
-      (MXFP4's e2m1 values, doubled to the integers ggml uses, under power-of-two scales)
+      (MXFP4's e2m1 values, doubled to the integers ggml uses, under power-of-two scales;
+      the IQ types' levels and lattice values), under one or two levels of scales
 
     computed in fp32. Codes of up to 4 bits are stored two per byte (input ``2j`` in
     the low nibble, ``2j + 1`` in the high one), wider codes one per byte.
@@ -58,8 +59,8 @@ class QuantWeight:
     def __post_init__(self) -> None:
         if sum(t is not None for t in (self.zeros, self.mins, self.codebook)) != 1:
             raise ValueError("a QuantWeight has one of zeros, mins or a codebook")
-        if self.codebook is not None and (self.codebook.shape != (1 << self.bits,) or self.super_scales is not None):
-            raise ValueError(f"a codebook holds 2**{self.bits} values, under one level of scales")
+        if self.codebook is not None and self.codebook.shape != (1 << self.bits,):
+            raise ValueError(f"a codebook holds 2**{self.bits} values")
         if (self.super_mins is not None) and (self.super_scales is None or self.mins is None):
             raise ValueError("super_mins needs super_scales and the mins form")
         if self.super_scales is not None and self.mins is not None and self.super_mins is None:
@@ -176,7 +177,7 @@ def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch
     n, k = weight.shape
     if weight.codebook is not None:
         values = weight.codebook[unpack_codes(weight, torch.int64)].view(n, -1, weight.group_size)
-        return values.mul_(weight.scales.float().unsqueeze(-1)).view(n, k).to(dtype)
+        return values.mul_(weight.group_scales().float().unsqueeze(-1)).view(n, k).to(dtype)
     q = unpack_codes(weight, torch.float32).view(n, -1, weight.group_size)
     scales = weight.group_scales().unsqueeze(-1)
     offsets = weight.group_offsets().unsqueeze(-1)

@@ -166,9 +166,9 @@ def test_bad_gguf_models_fail_cleanly(tmp_path, model) -> None:
 
     import numpy as np
 
-    unsupported_type = tmp_path / "iq.gguf"
-    minimal(unsupported_type, "llama", Q.IQ2_XXS)
-    with pytest.raises(LocalserveError, match="IQ2_XXS.*token_embd|token_embd.*IQ2_XXS"):
+    unsupported_type = tmp_path / "q8_k.gguf"
+    minimal(unsupported_type, "llama", Q.Q8_K)  # llama.cpp's activation type, never a weight
+    with pytest.raises(LocalserveError, match="Q8_K.*token_embd|token_embd.*Q8_K"):
         LLM(unsupported_type, device="cpu", num_kv_blocks=8)
     other_arch = tmp_path / "gpt2.gguf"
     minimal(other_arch, "gpt2", Q.F16)

@@ -20,10 +20,14 @@ from localserve.kernels.quant_weight import QuantWeight, dequantize  # noqa: E40
 
 LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 K_QUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-# Byte offsets of the fp16 super-block scales (d, and dmin where present) in each block.
+IQ_TYPES = [T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS, T.IQ1_M, T.IQ1_S, T.TQ2_0, T.TQ1_0]
+# Byte offsets of the fp16 super-block scales (d, and dmin where present) in each block
+# (IQ1_M spreads its d over the top nibbles of its last 8 bytes' four 16-bit words).
 FP16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    **dict.fromkeys([T.IQ4_NL, T.IQ4_XS, T.IQ3_S, T.IQ3_XXS, T.IQ2_S, T.IQ2_XS, T.IQ2_XXS, T.IQ1_S], (0,)),
+    T.TQ2_0: (64,), T.TQ1_0: (52,), T.IQ1_M: (),
 }
 
 
@@ -39,6 +43,11 @@ def random_blocks(qtype: T, shape: tuple[int, int], seed: int) -> np.ndarray:
         magnitude = 10.0 ** rng.uniform(-6, 1, size=n_blocks)
         value = (magnitude * rng.choice([-1.0, 1.0], size=n_blocks)).astype(np.float16)
         blocks[:, offset:offset + 2] = value.view(np.uint8).reshape(n_blocks, 2)
+    if qtype == T.IQ1_M:
+        value = (10.0 ** rng.uniform(-6, 1, size=n_blocks) * rng.choice([-1.0, 1.0], size=n_blocks)).astype(np.float16)
+        nibbles = (value.view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        words = blocks[:, 48:56].copy().view(np.uint16) & 0x0FFF | (nibbles << 12).astype(np.uint16)
+        blocks[:, 48:56] = words.view(np.uint8)
     return blocks.reshape(-1)
 
 
@@ -71,11 +80,12 @@ SHAPES = [(3, 256), (8, 512)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("qtype", LEGACY + K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", LEGACY + K_QUANTS + IQ_TYPES, ids=lambda t: t.name)
 def test_random_blocks_match_gguf_py(qtype: T, shape: tuple[int, int]) -> None:
     weight = assert_matches_reference(random_blocks(qtype, shape, seed=shape[0]), qtype, shape)
-    # x meets it rounded to int8 per llama.cpp's block for the type: Q8_K for K-quants, else Q8_0/Q8_1.
-    assert weight.int8_block == (256 if qtype in K_QUANTS else 32)
+    # x meets it rounded to int8 per llama.cpp's block for the type: Q8_K for the 256-element
+    # types (K-quants, IQ but IQ4_NL, TQ), else Q8_0/Q8_1.
+    assert weight.int8_block == GGML_QUANT_SIZES[qtype][0]
 
 
 # gguf-py quantizes only the legacy types; K-quants come from random blocks above and
@@ -159,7 +169,7 @@ def test_wrong_byte_count() -> None:
         gguf_to_weight("norm", np.zeros(10, np.uint8), int(T.F32), (3,))
 
 
-@pytest.mark.parametrize("type_id", [int(T.IQ2_XXS), int(T.Q8_1), int(T.Q8_K), int(T.TQ2_0), int(T.MXFP4), 999])
+@pytest.mark.parametrize("type_id", [int(T.Q8_1), int(T.Q8_K), int(T.I8), int(T.I32), 999])
 def test_unsupported_type(type_id: int) -> None:
     name = T(type_id).name if type_id in T._value2member_map_ else "999"
     with pytest.raises(LocalserveError, match=rf"token_embd\.weight.*{name}"):

@@ -38,16 +38,23 @@ def empty_registry(home: Path) -> Registry:
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
-    """A GGUF repo: F32 and Q8_0 files, a Q4_K_M split in two in a subfolder (the real
-    stories model, split), and a vision projector that is never the model."""
+    """A GGUF repo: F32, Q8_0 and IQ4_NL files (the last by llama.cpp's quantizer), a Q4_K_M
+    split in two in a subfolder (the real stories model, split), and a vision projector that
+    is never the model."""
     import gguf
+
+    from .test_gguf_models import llama_cpp_quantize
 
     folder = tmp_path_factory.mktemp("gguf-repo")
     parts = split_gguf(STORIES_GGUF, folder / "stories-260K-Q4_K_M.gguf", 2)
-    write_gguf(folder / "q8.gguf", tiny_llama(hidden=64, ffn=128, layers=1), gguf.GGMLQuantizationType.Q8_0)
+    tiny = tiny_llama(hidden=64, ffn=128, layers=1)
+    write_gguf(folder / "q8.gguf", tiny, gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(folder / "f32.gguf", tiny, gguf.GGMLQuantizationType.F32)
+    llama_cpp_quantize(folder / "f32.gguf", folder / "iq4_nl.gguf", "IQ4_NL")
     return {
         "stories-260K-F32.gguf": STORIES_GGUF.read_bytes(),
         "stories-260K-Q8_0.gguf": (folder / "q8.gguf").read_bytes(),
+        "stories-260K-IQ4_NL.gguf": (folder / "iq4_nl.gguf").read_bytes(),
         **{f"Q4_K_M/{part.name}": part.read_bytes() for part in parts},
         "mmproj-stories-260K-F16.gguf": b"GGUF not a model",
         "README.md": b"---\nlicense: mit\n---\n# Stories\n",
@@ -119,6 +126,7 @@ def test_default_tag_is_q4_k_m_with_every_split_part(hub: FakeHub, tmp_path: Pat
 
 @pytest.mark.parametrize("tag, name, file", [
     ("q8_0", "stories-260k:q8_0", "stories-260K-Q8_0.gguf"),
+    ("iq4_nl", "stories-260k:iq4_nl", "stories-260K-IQ4_NL.gguf"),
     ("F32", "stories-260k:f32", "stories-260K-F32.gguf"),
     ("stories-260K-F32.gguf", "stories-260k:f32", "stories-260K-F32.gguf"),
 ])
@@ -126,7 +134,7 @@ def test_tag_picks_quantization_or_file(hub: FakeHub, tmp_path: Path, tag: str, 
     registry = empty_registry(tmp_path / "home")
     record = pull(registry, f"hf.co/{GGUF_REPO}:{tag}")
     assert str(record.name) == name and [f.name for f in record.files] == [file] and fetched(hub) == {file}
-    assert record.quantization.startswith("Q8_0" if "Q8_0" in file else "F32")
+    assert file.removesuffix(".gguf").rsplit("-", 1)[1] in record.quantization
     output = greedy(registry.path(name), [1, 5, 9], 4)
     assert len(output.token_ids) == 4
 

@@ -61,8 +61,10 @@ MAX_ARRAY_ELEMENTS = 16 << 20
 MAX_ARRAY_DEPTH = 8
 
 # The types localserve loads (formats/gguf_quants.py converts them): F32, F16, BF16, Q4_0,
-# Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K ... Q6_K, and MXFP4.
-LOADABLE_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39})
+# Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K ... Q6_K, MXFP4, the IQ types (IQ1_S ... IQ4_XS) and
+# the ternary TQ1_0 and TQ2_0.
+LOADABLE_TYPES = frozenset({0, 1, 30, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 39, 16, 17, 18, 19, 20, 21, 22, 23, 29, 34,
+                            35})
 
 # ggml type id -> (name, elements per block, bytes per block). Ids missing here are
 # types llama.cpp has removed (4, 5, 31-33, 36-38) or ones newer than this table.

@@ -43,6 +43,7 @@ import torch
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight, pack_codes
 from .gguf_file import GGML_TYPES, LOADABLE_TYPES
+from .gguf_iquants import IQ_TYPES, IQType
 
 # ggml type ids (stable across llama.cpp versions; names and sizes live in GGML_TYPES).
 F32, F16, BF16 = 0, 1, 30
@@ -253,6 +254,22 @@ _BLOCK_TYPES: dict[int, _BlockType] = {
     Q5_K: _BlockType(256, 176, 5, 32, None, torch.uint8, _decode_q5_k),
     Q6_K: _BlockType(256, 210, 6, 16, 32, torch.int8, _decode_q6_k),
     MXFP4: _BlockType(32, 17, 4, 32, None, torch.bfloat16, _decode_mxfp4, codebook=MXFP4_VALUES),
+}
+
+
+def _iq_decoder(iq: IQType) -> Callable[[torch.Tensor], _Decoded]:
+    def decode(blocks: torch.Tensor) -> _Decoded:
+        decoded = iq.decode(blocks)
+        return _Decoded(codes=decoded.codes, scales=decoded.scales, super_scales=decoded.super_scales)
+
+    return decode
+
+
+# The IQ and TQ types (gguf_iquants.py): codebook forms, TQ linear with zero point 1.
+_BLOCK_TYPES |= {
+    ggml_type: _BlockType(iq.block_elements, iq.block_bytes, iq.bits, iq.group_size, None if iq.codebook else 1,
+                          iq.scale_dtype, _iq_decoder(iq), codebook=iq.codebook)
+    for ggml_type, iq in IQ_TYPES.items()
 }
 
 

@@ -135,8 +135,9 @@ def choose_gguf(files: list[RepoFile], tag: str | None) -> tuple[list[RepoFile],
 
 
 def _label_of(file_name: str, fallback: str) -> str:
-    """The quantization named in a file name (``...-Q4_K_M.gguf`` -> Q4_K_M), else the stem."""
-    found = re.findall(r"(?<![a-z0-9])(i?q\d[a-z0-9_]*|bf16|f16|f32)(?![a-z0-9])", _model_key(file_name))
+    """The quantization named in a file name (``...-Q4_K_M.gguf`` -> Q4_K_M, ``IQ4_XS``,
+    ``TQ1_0``), else the stem."""
+    found = re.findall(r"(?<![a-z0-9])([it]?q\d[a-z0-9_]*|bf16|f16|f32)(?![a-z0-9])", _model_key(file_name))
     return found[-1] if found else _SPLIT.sub("", fallback).removesuffix(".gguf")
 
 
