@@ -29,7 +29,8 @@ class TiledWeight:
     """A QuantWeight laid out for the int8 kernel (``ls_tiled_weight`` in csrc/api.h):
     output rows in tiles of ``lanes``, codes as four-input words per lane, fp16 scales
     per group and lane (times int8 sub-scales for two-level types), a constant zero point
-    or fp16 mins (times uint8 sub-mins). It replaces the QuantWeight it was made from."""
+    or fp16 mins (times uint8 sub-mins); a codebook weight's 16 integer levels as bytes
+    ``level + 128`` (``levels``, zero 128). It replaces the QuantWeight it was made from."""
 
     out_features: int
     in_features: int
@@ -44,6 +45,7 @@ class TiledWeight:
     sub_scales: torch.Tensor | None
     super_mins: torch.Tensor | None
     sub_mins: torch.Tensor | None
+    levels: torch.Tensor | None = None  # uint8 [16]: a codebook's levels + 128
     desc: cpu_library.TiledWeightDesc = field(init=False)
 
     def __post_init__(self) -> None:
@@ -53,7 +55,7 @@ class TiledWeight:
         self.desc = cpu_library.TiledWeightDesc(
             self.out_features, self.in_features, self.bits, self.group_size, self.groups_per_super, self.zero,
             self.x_block, address(self.codes), address(self.high), address(self.super_scales), address(self.sub_scales),
-            address(self.super_mins), address(self.sub_mins))
+            address(self.super_mins), address(self.sub_mins), address(self.levels))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,6 +63,7 @@ class TiledWeight:
 
     @property
     def nbytes(self) -> int:
+        # The 16 levels, like a QuantWeight's codebook, are a per-type constant: not counted.
         tensors = (self.codes, self.high, self.super_scales, self.sub_scales, self.super_mins, self.sub_mins)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -80,7 +83,7 @@ class TiledWeight:
 
         return TiledWeight(stop - start, self.in_features, self.bits, self.group_size, self.groups_per_super,
                            self.zero, self.x_block, self.codes[t0:t1], part(self.high), self.super_scales[t0:t1],
-                           part(self.sub_scales), part(self.super_mins), part(self.sub_mins))
+                           part(self.sub_scales), part(self.super_mins), part(self.sub_mins), self.levels)
 
     def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` as dense ``[len(index), in_features]`` (an embedding lookup),
@@ -104,10 +107,11 @@ def for_int8_kernel(weight: QuantWeight) -> QuantWeight | TiledWeight:
 
 def can_tile(weight: QuantWeight) -> bool:
     """Whether ``tile`` takes this weight: an ``int8_block`` (GGUF's quantized types), a
-    constant zero point or the mins form, fp16-exact scales and mins, no act-order."""
+    constant zero point, the mins form or a 4-bit codebook of integer levels (IQ4_NL, IQ4_XS,
+    MXFP4), fp16-exact scales and mins, no act-order."""
     block, group = weight.int8_block, weight.group_size
-    if weight.codebook is not None:
-        return False  # non-linear codes: not in the int8 kernel yet
+    if weight.codebook is not None and _levels(weight.codebook) is None:
+        return False  # levels that are not small integers (IQ1's): the reference path
     if not (weight.bits in (2, 3, 4, 5, 6, 8) and block > 0 and block % 32 == 0 and weight.in_features % block == 0 and weight.perm is None
             and (group == 16 or group % 32 == 0) and block % group == 0 and weight.codes.device.type == "cpu"):
         return False
@@ -153,16 +157,29 @@ def tile(weight: QuantWeight, lanes: int | None = None) -> TiledWeight:
     two_level = weight.super_scales is not None
     super_scales = weight.super_scales if two_level else weight.scales
     mins = weight.mins
+    levels = None if weight.codebook is None else _levels(weight.codebook)
+    zero = _LEVEL_ZERO if levels is not None else int(weight.zeros.flatten()[0]) if weight.zeros is not None else -1
     return TiledWeight(
         out_features=n, in_features=k, bits=weight.bits, group_size=weight.group_size,
-        groups_per_super=weight.groups_per_super if two_level else 1,
-        zero=int(weight.zeros.flatten()[0]) if weight.zeros is not None else -1, x_block=weight.int8_block,
+        groups_per_super=weight.groups_per_super if two_level else 1, zero=zero, x_block=weight.int8_block,
         codes=codes, high=high,
         super_scales=_per_lane(super_scales.to(torch.float16), tiles, lanes),
         sub_scales=_per_lane(weight.scales.to(torch.int8), tiles, lanes) if two_level else None,
         super_mins=(None if mins is None else
                     _per_lane((weight.super_mins if two_level else mins).to(torch.float16), tiles, lanes)),
-        sub_mins=_per_lane(mins, tiles, lanes) if mins is not None and two_level else None)
+        sub_mins=_per_lane(mins, tiles, lanes) if mins is not None and two_level else None, levels=levels)
+
+
+# A codebook's levels are stored shifted by this, as the unsigned bytes the kernel multiplies.
+_LEVEL_ZERO = 128
+
+
+def _levels(codebook: torch.Tensor) -> torch.Tensor | None:
+    """A 16-value codebook as the kernel's level bytes (``level + 128``), or None unless
+    every value is an integer in -128..127."""
+    if codebook.numel() != 16 or not torch.equal(codebook, codebook.round()) or codebook.abs().max() > 127:
+        return None
+    return (codebook.to(torch.int16) + _LEVEL_ZERO).to(torch.uint8).contiguous()
 
 
 def int8_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,7 +196,8 @@ def weight_table(weights: list[TiledWeight]) -> ctypes.Array:
     """The weights' descriptors as the array ``grouped_int8_linear`` takes (keep the
     weights alive as long as the table)."""
     forms = {(w.shape, w.bits, w.group_size, w.groups_per_super, w.zero, w.x_block, w.lanes,
-              w.high is None, w.sub_scales is None, w.super_mins is None, w.sub_mins is None) for w in weights}
+              w.high is None, w.sub_scales is None, w.super_mins is None, w.sub_mins is None, w.levels is None)
+             for w in weights}
     if len(forms) != 1:
         raise ValueError("a weight table holds weights of one shape and form")
     return (ctypes.POINTER(cpu_library.TiledWeightDesc) * len(weights))(*[ctypes.pointer(w.desc) for w in weights])

@@ -13,6 +13,7 @@ import torch
 from localserve.kernels import cpu_library, quant_linear_cpu
 from localserve.kernels.dispatch import KernelChoice, using
 from localserve.kernels.quant_linear import linear, quant_linear, quant_linear_ref, quantize_activations
+from localserve.formats.gguf_iquants import IQ4_VALUES
 from localserve.kernels.quant_weight import QuantWeight, dequantize, pack_codes
 from localserve.kernels.quant_linear_cpu import (TiledWeight, can_tile, float_linear, grouped_int8_linear, int8_linear,
                                                  tile, weight_table)
@@ -51,7 +52,8 @@ def make_weight(bits: int, group_size: int, form: str, scale_dtype: torch.dtype,
 
 def make_gguf_like(bits: int, group_size: int, form: str, x_block: int, n: int = 40, k: int = 512) -> QuantWeight:
     """A weight as the GGUF reader makes them: one zero point for the whole tensor (or
-    mins), fp16 scales, two-level (int sub-scales) when x_block is 256 as for K-quants."""
+    mins, or IQ4's 16 levels as a codebook), fp16 scales, two-level (int sub-scales) when
+    x_block is 256 as for K-quants and IQ4_XS."""
     generator = torch.Generator().manual_seed(bits * 1000 + group_size * 10 + x_block)
     groups = k // group_size
     two_level = x_block == 256
@@ -71,6 +73,8 @@ def make_gguf_like(bits: int, group_size: int, form: str, x_block: int, n: int =
             extra["mins"] = torch.randn(n, groups, generator=generator).half().float()  # -m of Q4_1/Q5_1
     if form == "zeros":
         extra["zeros"] = torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8)
+    if form == "codebook":
+        extra["codebook"] = torch.tensor(IQ4_VALUES)
     codes = torch.randint(0, 1 << bits, (n, k), generator=generator)
     return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, int8_block=x_block, **extra)
 
@@ -83,7 +87,9 @@ CASES = [
 ]
 # Nibbles (2, 4 bits), bytes (5, 6) and full bytes (8); groups of 16 (Q2_K, Q3_K, Q6_K) and
 # 32; single-level scales with 32-input x blocks, two-level with 256 (the K-quants).
-GGUF_CASES = list(itertools.product([2, 4, 5, 6, 8], [(16, 256), (32, 256), (32, 32)], ["zeros", "mins"]))
+# Codebook weights: IQ4_XS (two-level) and IQ4_NL / MXFP4 (one level) in the int8 kernel.
+GGUF_CASES = [*itertools.product([2, 4, 5, 6, 8], [(16, 256), (32, 256), (32, 32)], ["zeros", "mins"]),
+              (4, (32, 256), "codebook"), (4, (32, 32), "codebook")]
 ROW_COUNTS = (1, 2, 3, 5, 16, 64)
 
 
@@ -157,7 +163,8 @@ def test_int8_kernel_is_batch_invariant(bits: int, blocks: tuple[int, int], form
         assert torch.equal(int8_linear(x[-rows:], tiled), together[-rows:])
 
 
-@pytest.mark.parametrize("bits,blocks,form", [(6, (16, 256), "zeros"), (4, (32, 256), "mins"), (8, (32, 32), "zeros")])
+@pytest.mark.parametrize("bits,blocks,form", [(6, (16, 256), "zeros"), (4, (32, 256), "mins"), (8, (32, 32), "zeros"),
+                                             (4, (32, 32), "codebook")])
 def test_grouped_kernel_gives_each_group_its_weights_result(bits: int, blocks: tuple[int, int], form: str) -> None:
     """Groups of rows through their own weights (the chosen experts of a stack, three
     tiles each: a pair and an odd one) in one call: each group the same bits as its
@@ -202,7 +209,8 @@ def test_other_built_variants_compute_the_same_sums() -> None:
     assert cpu_library.variant() in runnable
     for name in runnable:
         lib = cpu_library.load(name)
-        for bits, blocks, form in [(4, (32, 256), "mins"), (8, (32, 32), "zeros"), (6, (16, 256), "zeros")]:
+        for bits, blocks, form in [(4, (32, 256), "mins"), (8, (32, 32), "zeros"), (6, (16, 256), "zeros"),
+                                   (4, (32, 256), "codebook")]:
             weight = make_gguf_like(bits, blocks[0], form, blocks[1])
             tiled = tile(weight, lanes=lib.ls_lanes())
             x = torch.randn(20, weight.in_features)  # K-quants: past 16 rows, the widened-panel path
@@ -230,6 +238,9 @@ def test_only_gguf_style_weights_are_tiled() -> None:
     no_block = make_gguf_like(4, 32, "zeros", 32)
     no_block.int8_block = 0
     assert not can_tile(no_block)
+    fractional_levels = make_gguf_like(4, 32, "codebook", 32)
+    fractional_levels.codebook = fractional_levels.codebook / 8  # IQ1's levels: not integers
+    assert not can_tile(fractional_levels)
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:

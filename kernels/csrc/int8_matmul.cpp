@@ -99,19 +99,22 @@ int32_t word(const int8_t* p) {
 
 // Where the codes and group scales come from, for kTiles tiles from tile0. A chunk is the
 // inputs one code vector covers: 8 for nibbles (two vectors, inputs 0-3 and 4-7, unpacked
-// as they are loaded) or 4 for bytes.
-template <int kTiles, int kHigh, bool kTwoLevel, bool kMins>
+// as they are loaded) or 4 for bytes. With kLevels, each nibble is looked up in the weight's
+// 16 levels as it is unpacked (a codebook weight).
+template <int kTiles, int kHigh, bool kTwoLevel, bool kMins, bool kLevels = false>
 struct TiledCodes {
   static constexpr bool kNibbles = kHigh >= 0;
   static constexpr int kInputs = kNibbles ? 8 : 4, kParts = kNibbles ? 2 : 1;
-  static constexpr bool kWide = kHigh < 0;  // codes may reach 255
+  static constexpr bool kWide = kHigh < 0 || kLevels;  // codes may reach 255
   static constexpr bool kMinsForm = kMins;
   const ls_tiled_weight& w;
   int64_t tile0, groups, supers;
   const uint8_t *codes[kTiles], *high_planes[kTiles];
+  I levels;
 
   TiledCodes(const ls_tiled_weight& weight, int64_t first_tile)
       : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super) {
+    if constexpr (kLevels) levels = Simd::broadcast16(w.levels);
     for (int t = 0; t < kTiles; ++t) {
       codes[t] = w.codes + (tile0 + t) * (w.k / kInputs) * kLanes * 4;
       high_planes[t] = kHigh > 0 ? w.high + (tile0 + t) * (w.k / 32) * kHigh * kLanes * 4 : nullptr;
@@ -135,6 +138,10 @@ struct TiledCodes {
           low = Simd::or_bits(low, bits, within, 0x01);
           high = Simd::or_bits(high, bits, 4 + within, 0x01);
         }
+      }
+      if constexpr (kLevels) {
+        low = Simd::lookup16(levels, low);
+        high = Simd::lookup16(levels, high);
       }
       parts[0] = low;
       parts[1] = high;
@@ -169,10 +176,10 @@ struct Panel {
 };
 
 // A panel as a source of codes: small, passed by value like TiledCodes.
-template <int kTiles, bool kMins>
+template <int kTiles, bool kMins, bool kWideCodes>
 struct PanelCodes {
   static constexpr int kInputs = 4, kParts = 1;
-  static constexpr bool kWide = false;  // widened nibble codes stay below 128
+  static constexpr bool kWide = kWideCodes;  // widened nibble codes stay below 128, levels do not
   static constexpr bool kMinsForm = kMins;
   Panel<kTiles>* panel;
   int64_t chunk0 = 0, group0 = 0;
@@ -296,7 +303,7 @@ void tile_rows_by_panel(const Codes& codes, const ls_tiled_weight& w, const Int8
                         int64_t tile0, float* out) {
   std::vector<float> total(rows * kTiles * kLanes, 0.0f);
   Panel<kTiles> buffer;
-  PanelCodes<kTiles, kMins> panel{&buffer};
+  PanelCodes<kTiles, kMins, Codes::kWide> panel{&buffer};
   for (int64_t x0 = 0; x0 < w.k; x0 += kPanel) {
     const int64_t length = std::min(kPanel, w.k - x0);
     panel.fill(codes, x0, length, w.group);
@@ -315,9 +322,9 @@ void tile_rows_by_panel(const Codes& codes, const ls_tiled_weight& w, const Int8
 // single-scale types (Q4_0, Q8_0) unpack in a step or two and gain nothing: they stay direct.
 constexpr int64_t kPanelRows = 16;
 
-template <int kTiles, int kHigh, bool kTwoLevel, bool kMins>
+template <int kTiles, int kHigh, bool kTwoLevel, bool kMins, bool kLevels>
 void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0, float* out) {
-  const TiledCodes<kTiles, kHigh, kTwoLevel, kMins> codes(w, tile0);
+  const TiledCodes<kTiles, kHigh, kTwoLevel, kMins, kLevels> codes(w, tile0);
   if (kTwoLevel && rows >= kPanelRows)
     tile_rows_by_panel<kTiles, kMins>(codes, w, xq, rows, tile0, out);
   else
@@ -330,9 +337,9 @@ struct TileKernels {
   TileRows pair, single;
 };
 
-template <int kHigh, bool kTwoLevel, bool kMins>
+template <int kHigh, bool kTwoLevel, bool kMins, bool kLevels = false>
 TileKernels kernels_of() {
-  return {&tile_rows<2, kHigh, kTwoLevel, kMins>, &tile_rows<1, kHigh, kTwoLevel, kMins>};
+  return {&tile_rows<2, kHigh, kTwoLevel, kMins, kLevels>, &tile_rows<1, kHigh, kTwoLevel, kMins, kLevels>};
 }
 
 template <int kHigh>
@@ -343,6 +350,8 @@ TileKernels kernels_for_scales(const ls_tiled_weight& w) {
 }
 
 TileKernels kernels_for(const ls_tiled_weight& w) {
+  // Codebook weights: 4-bit codes, zero form, one or two levels of scales.
+  if (w.levels) return w.sub_scales ? kernels_of<0, true, false, true>() : kernels_of<0, false, false, true>();
   switch (w.bits) {
     case 5: return kernels_for_scales<1>(w);
     case 6: return kernels_for_scales<2>(w);
@@ -417,6 +426,7 @@ void ls_tiled_dequantize_rows(const ls_tiled_weight* w, const int64_t* index, in
       const int64_t chunk = j / inputs_per_chunk, within = j % inputs_per_chunk;
       const uint8_t byte = codes[chunk * kLanes * 4 + within % 4];
       int32_t code = nibbles ? (within < 4 ? byte & 0x0F : byte >> 4) : byte;
+      if (w->levels) code = w->levels[code];
       if (high_bits) {  // input 8c + 4h + i of a 32-input block: see api.h
         const int64_t c = chunk % 4, h = within / 4, word = high_bits == 2 ? h : 0;
         const int64_t shift = high_bits == 2 ? 2 * c : c + 4 * h;

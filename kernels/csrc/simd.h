@@ -56,6 +56,11 @@ struct Simd {
   static void store_codes(uint8_t* p, I v) { _mm512_storeu_si512(p, v); }
   static I low_nibbles(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  // 16 bytes repeated in every 128-bit lane, and a byte-wise lookup of values 0-15 in them.
+  static I broadcast16(const uint8_t* p) {  // the zero-masked form: the plain one warns (undefined source)
+    return _mm512_maskz_broadcast_i32x4(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I lookup16(I table, I index) { return _mm512_shuffle_epi8(table, index); }
   static I or_bits(I codes, I plane, int shift, int mask) {
     const I bits = _mm512_and_si512(_mm512_srl_epi32(plane, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(mask));
     return _mm512_or_si512(codes, _mm512_slli_epi32(bits, 4));
@@ -86,6 +91,8 @@ struct Simd {
   static void store_codes(uint8_t* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
   static I low_nibbles(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  static I broadcast16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I lookup16(I table, I index) { return _mm256_shuffle_epi8(table, index); }
   static I or_bits(I codes, I plane, int shift, int mask) {
     const I bits = _mm256_and_si256(_mm256_srl_epi32(plane, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(mask));
     return _mm256_or_si256(codes, _mm256_slli_epi32(bits, 4));
@@ -135,6 +142,18 @@ struct Simd {
   static void store_codes(uint8_t* p, I v) { std::memcpy(p, v.v, sizeof v.v); }
   static I low_nibbles(I w) { for (auto& v : w.v) v &= 0x0F0F0F0F; return w; }
   static I high_nibbles(I w) { for (auto& v : w.v) v = (static_cast<uint32_t>(v) >> 4) & 0x0F0F0F0F; return w; }
+  static I broadcast16(const uint8_t* p) { I r{}; std::memcpy(r.v, p, 16); return r; }
+  static I lookup16(I table, I index) {
+    uint8_t levels[16];
+    std::memcpy(levels, table.v, 16);
+    for (auto& v : index.v) {
+      uint8_t b[4];
+      std::memcpy(b, &v, 4);
+      for (auto& byte : b) byte = levels[byte & 0x0F];
+      std::memcpy(&v, b, 4);
+    }
+    return index;
+  }
   static I or_bits(I codes, I plane, int shift, int mask) {
     for (int l = 0; l < kLanes; ++l)
       codes.v[l] |= static_cast<int32_t>(((static_cast<uint32_t>(plane.v[l]) >> shift) & (mask * 0x01010101u)) << 4);

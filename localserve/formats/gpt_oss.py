@@ -159,7 +159,8 @@ def _mxfp4_weights(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> lis
     weights = []
     for rows in selections:
         codes, exponents = blocks[:, rows], scales[:, rows]
+        # x stays fp32 (int8_block 0), as transformers computes this checkpoint and as for
+        # GPTQ/AWQ: GGUF's MXFP4, whose oracle is llama.cpp, takes the int8 kernel instead.
         weights.append(QuantWeight(bits=4, group_size=_BLOCK, codes=codes.reshape(-1, codes.shape[2] * 16).contiguous(),
-                                   scales=e8m0_half(exponents.reshape(-1, exponents.shape[2])), codebook=codebook,
-                                   int8_block=_BLOCK))
+                                   scales=e8m0_half(exponents.reshape(-1, exponents.shape[2])), codebook=codebook))
     return weights
