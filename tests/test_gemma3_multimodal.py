@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from localserve import Engine, EngineConfig, SamplingParams
+from localserve import Engine, EngineConfig
 from localserve.formats import open_checkpoint
 from localserve.formats.layout import check_tensors
 
 from .conftest import hf_greedy, hf_logits, random_prompt, reinitialise, relative_error
-from .test_models import TOLERANCE, all_logits
+from .test_models import TOLERANCE, all_logits, greedy_outputs
 
 # What the tiny model states; everything else is Gemma3TextConfig's default (8 heads of 256,
 # 4 K/V heads, query scale 1/16, rotary bases 1e6 and 1e4, every 6th layer global).
@@ -113,13 +113,8 @@ def test_logits_and_greedy_match_transformers(folders, layout: str) -> None:
         error = relative_error(ours, hf_logits(oracle, prompt))
         assert error <= TOLERANCE, f"{layout}: {error:.1e} for a prompt of {len(prompt)}"
     # Greedy decoding past the window of 12, three mixed prompts, prefill in chunks.
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), str(i))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
-    for i, prompt in enumerate(prompts):
-        assert outputs[str(i)] == hf_greedy(oracle, prompt, 8), f"{layout}: prompt of {len(prompt)} tokens"
+    for prompt, tokens in zip(prompts, greedy_outputs(engine, prompts, 8)):
+        assert tokens == hf_greedy(oracle, prompt, 8), f"{layout}: prompt of {len(prompt)} tokens"
 
 
 def test_a_text_config_of_another_family_is_refused(tmp_path) -> None:

@@ -16,6 +16,16 @@ from .conftest import (MODEL_KINDS, SCALED_ROPE_KINDS, SLIDING_KINDS, hf_greedy,
 TOLERANCE = 1e-4
 
 
+def greedy_outputs(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, all submitted at once and stepped to the end."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), str(i))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        outputs.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
 def all_logits(engine: Engine, prompts: list[list[int]], chunks: list[int] | None = None) -> list[torch.Tensor]:
     """Logits at every position of each prompt, all prompts in one flat batch per
     step; ``chunks`` splits each prompt's prefill into pieces of these sizes."""
@@ -87,13 +97,8 @@ def test_sliding_window_greedy_matches_transformers(tiny_models, kind: str) -> N
                     dtype=torch.float32)
     assert engine.max_model_len == 1024
     prompts = [random_prompt(n, seed=n) for n in (5, 20, 41)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), str(i))
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
-    for i, prompt in enumerate(prompts):
-        assert outputs[str(i)] == hf_greedy(hf, prompt, 10), f"{kind}: prompt of {len(prompt)} tokens"
+    for prompt, tokens in zip(prompts, greedy_outputs(engine, prompts, 10)):
+        assert tokens == hf_greedy(hf, prompt, 10), f"{kind}: prompt of {len(prompt)} tokens"
 
 
 @pytest.mark.parametrize("kind", SCALED_ROPE_KINDS)
