@@ -38,6 +38,11 @@ def source(model, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def imatrix(model) -> dict[str, np.ndarray]:
+    return importance_matrix(model)
+
+
 def importance_matrix(model) -> dict[str, np.ndarray]:
     """Per matrix (the LM head included), the mean square of each input over a few prompts:
     what llama-imatrix collects (it weighs which columns' errors matter)."""
@@ -81,9 +86,9 @@ def quantize_with_imatrix(source, target, ftype: str, imatrix: dict[str, np.ndar
 
 
 @pytest.mark.parametrize("ftype", FTYPES)
-def test_llama_cpp_quantized_file_matches_both_oracles(tmp_path, model, source, ftype: str) -> None:
+def test_llama_cpp_quantized_file_matches_both_oracles(tmp_path, model, source, imatrix, ftype: str) -> None:
     path = tmp_path / f"tiny-{ftype}.gguf"
-    quantize_with_imatrix(source, path, ftype, importance_matrix(model))
+    quantize_with_imatrix(source, path, ftype, imatrix)
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.") and
              t.name.endswith("proj.weight") or ".attn_" in t.name and t.name.endswith(".weight") and "norm" not in t.name}
     assert types == {FTYPES[ftype]}, types
@@ -92,7 +97,7 @@ def test_llama_cpp_quantized_file_matches_both_oracles(tmp_path, model, source, 
 
 
 @pytest.mark.parametrize("ftype", ["IQ4_XS", "IQ2_XXS", "TQ1_0"])
-def test_show_and_fit_size_them_as_loaded(tmp_path, model, source, ftype: str) -> None:
+def test_show_and_fit_size_them_as_loaded(tmp_path, source, imatrix, ftype: str) -> None:
     """``show`` names the type; the loaded size ``fit`` plans with, from the headers alone,
     equals what loading the tensors takes."""
     from localserve.facts.checkpoint import model_info
@@ -100,7 +105,7 @@ def test_show_and_fit_size_them_as_loaded(tmp_path, model, source, ftype: str) -
     from localserve.formats.weights import weight_sizes
 
     path = tmp_path / f"tiny-{ftype}.gguf"
-    quantize_with_imatrix(source, path, ftype, importance_matrix(model))
+    quantize_with_imatrix(source, path, ftype, imatrix)
     checkpoint = open_checkpoint(path)
     info, _ = model_info(checkpoint)
     assert str(info["quantization"]).startswith(FTYPES[ftype])

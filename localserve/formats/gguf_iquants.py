@@ -5,8 +5,8 @@ Every IQ type's weight is a per-group scale times one of at most 16 values: IQ4'
 non-uniform levels; or, for the lattice types, a grid entry's value with a sign (IQ2: 3
 magnitudes, IQ3: 8) or plus a per-group offset of +-1/8 (IQ1: 3 values and 2 offsets).
 Decoding the grids at load turns each into QuantWeight's codebook form, 4-bit codes into a
-16-value codebook under fp32 group scales (IQ4_XS: fp16 super-scales times int8
-sub-scales, as ggml multiplies them), with each scale the fp32 expression gguf-py's
+16-value codebook under fp32 group scales (IQ4_NL: its fp16 ones; IQ4_XS: fp16
+super-scales times int8 sub-scales, as ggml multiplies them), with each scale the fp32 expression gguf-py's
 reference computes, and ``scale * codebook[code]`` the same fp32 product as its
 ``scale * grid * sign`` (a sign flip is exact) or ``scale * (grid + delta)``. TQ1_0/TQ2_0
 are linear: 2-bit codes with zero point 1 under an fp16 scale per 256.
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import base64
 import zlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import torch
 
+from .gguf_blocks import BlockType, Decoded, fp16
 from .iq_grids import GRIDS
 
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M = 16, 17, 18, 19, 20, 21, 22, 23, 29
@@ -36,27 +35,6 @@ IQ1_DELTA = 0.125  # ggml's IQ1S_DELTA
 
 # ggml's ksigns_iq2xs: 7 stored sign bits, the 8th making the count of minus signs even.
 _KSIGNS = torch.tensor([i | (0x80 if bin(i).count("1") % 2 else 0) for i in range(128)], dtype=torch.uint8)
-
-
-@dataclass(frozen=True, slots=True)
-class Decoded:
-    """Codes ``[blocks, elements]`` uint8 (< 16), scales ``[blocks, groups]`` and, for
-    two-level types, fp16 ``super_scales [blocks, 1]``."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    super_scales: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class IQType:
-    block_elements: int
-    block_bytes: int
-    bits: int
-    group_size: int
-    scale_dtype: torch.dtype  # float32 (fp16 for IQ4_NL); int8 sub-scales under fp16 super-scales for IQ4_XS
-    decode: Callable[[torch.Tensor], Decoded]
-    codebook: tuple[float, ...] | None  # None: linear, zero point 1 (TQ)
 
 
 @cache
@@ -76,10 +54,6 @@ def _signed_codebook(name: str) -> tuple[float, ...]:
 # IQ1: the grid's -1, 0, 1 plus the group's delta, then minus it (code = index + 3 if negative delta).
 _IQ1_CODEBOOK = (*(v + IQ1_DELTA for v in GRIDS["IQ1_S"][0]), *(v - IQ1_DELTA for v in GRIDS["IQ1_S"][0]),
                  *([0.0] * 10))
-
-
-def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    return blocks[:, offset:offset + 2].contiguous().view(torch.float16)
 
 
 def _words(blocks: torch.Tensor, start: int, stop: int, width: int) -> torch.Tensor:
@@ -117,7 +91,7 @@ def _decode_iq2_xxs(blocks: torch.Tensor) -> Decoded:
     words = _words(blocks, 2, 66, 4).view(n, 8, 2)
     index = blocks[:, 2:66].view(n, 8, 8)[:, :, 0:4].reshape(n, 32).long()
     signs = _sign_bits(_bits(words[..., 1], 7, 4).reshape(n, 32))
-    scales = _half_step_scales(_fp16(blocks, 0), words[..., 1] >> 28, 0.25)
+    scales = _half_step_scales(fp16(blocks, 0), words[..., 1] >> 28, 0.25)
     return Decoded(_lattice("IQ2_XXS", index, signs), scales)
 
 
@@ -125,7 +99,7 @@ def _decode_iq2_xs(blocks: torch.Tensor) -> Decoded:
     # d | 32 x u16 (9-bit grid index, 7-bit sign index) | 8 bytes of two 4-bit scales (per 16)
     n = blocks.shape[0]
     qs = _words(blocks, 2, 66, 2)
-    scales = _half_step_scales(_fp16(blocks, 0), _bits(blocks[:, 66:74], 4, 2).reshape(n, 16), 0.25)
+    scales = _half_step_scales(fp16(blocks, 0), _bits(blocks[:, 66:74], 4, 2).reshape(n, 16), 0.25)
     return Decoded(_lattice("IQ2_XS", qs & 511, _sign_bits(qs >> 9)), scales)
 
 
@@ -134,7 +108,7 @@ def _decode_iq2_s(blocks: torch.Tensor) -> Decoded:
     n = blocks.shape[0]
     index = blocks[:, 2:34].long() | (_bits(blocks[:, 66:74], 2, 4).reshape(n, 32) << 8)
     signs = _bits(blocks[:, 34:66], 1, 8).reshape(n, 256)
-    scales = _half_step_scales(_fp16(blocks, 0), _bits(blocks[:, 74:82], 4, 2).reshape(n, 16), 0.25)
+    scales = _half_step_scales(fp16(blocks, 0), _bits(blocks[:, 74:82], 4, 2).reshape(n, 16), 0.25)
     return Decoded(_lattice("IQ2_S", index, signs), scales)
 
 
@@ -143,7 +117,7 @@ def _decode_iq3_xxs(blocks: torch.Tensor) -> Decoded:
     n = blocks.shape[0]
     words = _words(blocks, 66, 98, 4)
     signs = _sign_bits(_bits(words, 7, 4).reshape(n, 32))
-    scales = _half_step_scales(_fp16(blocks, 0), words >> 28, 0.5)
+    scales = _half_step_scales(fp16(blocks, 0), words >> 28, 0.5)
     return Decoded(_lattice("IQ3_XXS", blocks[:, 2:66].long(), signs), scales)
 
 
@@ -152,7 +126,7 @@ def _decode_iq3_s(blocks: torch.Tensor) -> Decoded:
     n = blocks.shape[0]
     index = blocks[:, 2:66].long() | (_bits(blocks[:, 66:74], 1, 8).reshape(n, 64) << 8)
     signs = _bits(blocks[:, 74:106], 1, 8).reshape(n, 256)
-    scales = _fp16(blocks, 0).float() * (1 + 2 * _bits(blocks[:, 106:110], 4, 2).reshape(n, 8)).float()
+    scales = fp16(blocks, 0).float() * (1 + 2 * _bits(blocks[:, 106:110], 4, 2).reshape(n, 8)).float()
     return Decoded(_lattice("IQ3_S", index, signs), scales)
 
 
@@ -169,7 +143,7 @@ def _decode_iq1_s(blocks: torch.Tensor) -> Decoded:
     qh = _words(blocks, 34, 50, 2)
     index = blocks[:, 2:34].long() | (_bits(qh, 3, 4).reshape(n, 32) << 8)
     negative = ((qh >> 15) & 1).repeat_interleave(4, dim=1)
-    scales = _fp16(blocks, 0).float() * (2 * ((qh >> 12) & 7) + 1).float()
+    scales = fp16(blocks, 0).float() * (2 * ((qh >> 12) & 7) + 1).float()
     return Decoded(_iq1_codes(index, negative), scales)
 
 
@@ -189,7 +163,7 @@ def _decode_iq1_m(blocks: torch.Tensor) -> Decoded:
 def _decode_iq4_nl(blocks: torch.Tensor) -> Decoded:
     # d | 16 bytes: elements 0-15 in the low nibbles, 16-31 in the high ones
     codes = _bits(blocks[:, 2:18], 4, 2).transpose(1, 2).reshape(blocks.shape[0], 32)
-    return Decoded(codes.to(torch.uint8), _fp16(blocks, 0))
+    return Decoded(codes.to(torch.uint8), fp16(blocks, 0))
 
 
 def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
@@ -199,7 +173,7 @@ def _decode_iq4_xs(blocks: torch.Tensor) -> Decoded:
     low = _bits(blocks[:, 4:8], 4, 2).reshape(n, 8)
     sub = ((low | (high << 4)) - 32).to(torch.int8)
     codes = _bits(blocks[:, 8:136].reshape(n, 8, 16), 4, 2).transpose(2, 3).reshape(n, 256)
-    return Decoded(codes.to(torch.uint8), sub, super_scales=_fp16(blocks, 0))
+    return Decoded(codes.to(torch.uint8), sub, super_scales=fp16(blocks, 0))
 
 
 def _decode_tq1_0(blocks: torch.Tensor) -> Decoded:
@@ -212,26 +186,27 @@ def _decode_tq1_0(blocks: torch.Tensor) -> Decoded:
         return (((part.long().unsqueeze(1) * powers) & 0xFF) * 3 >> 8).reshape(n, -1)
 
     codes = torch.cat((digits(blocks[:, 0:32], 5), digits(blocks[:, 32:48], 5), digits(blocks[:, 48:52], 4)), dim=1)
-    return Decoded(codes.to(torch.uint8), _fp16(blocks, 52))
+    return Decoded(codes.to(torch.uint8), fp16(blocks, 52))
 
 
 def _decode_tq2_0(blocks: torch.Tensor) -> Decoded:
     # 64 bytes: 32-byte run r holds elements 128r + 32s + j at bits 2s | d
     n = blocks.shape[0]
     codes = _bits(blocks[:, 0:64].reshape(n, 2, 32), 2, 4).transpose(2, 3).reshape(n, 256)
-    return Decoded(codes.to(torch.uint8), _fp16(blocks, 64))
+    return Decoded(codes.to(torch.uint8), fp16(blocks, 64))
 
 
-IQ_TYPES: dict[int, IQType] = {
-    IQ2_XXS: IQType(256, 66, 4, 32, torch.float32, _decode_iq2_xxs, _signed_codebook("IQ2_XXS")),
-    IQ2_XS: IQType(256, 74, 4, 16, torch.float32, _decode_iq2_xs, _signed_codebook("IQ2_XS")),
-    IQ2_S: IQType(256, 82, 4, 16, torch.float32, _decode_iq2_s, _signed_codebook("IQ2_S")),
-    IQ3_XXS: IQType(256, 98, 4, 32, torch.float32, _decode_iq3_xxs, _signed_codebook("IQ3_XXS")),
-    IQ3_S: IQType(256, 110, 4, 32, torch.float32, _decode_iq3_s, _signed_codebook("IQ3_S")),
-    IQ1_S: IQType(256, 50, 4, 32, torch.float32, _decode_iq1_s, _IQ1_CODEBOOK),
-    IQ1_M: IQType(256, 56, 4, 16, torch.float32, _decode_iq1_m, _IQ1_CODEBOOK),
-    IQ4_NL: IQType(32, 18, 4, 32, torch.float16, _decode_iq4_nl, IQ4_VALUES),
-    IQ4_XS: IQType(256, 136, 4, 32, torch.int8, _decode_iq4_xs, IQ4_VALUES),
-    TQ1_0: IQType(256, 54, 2, 256, torch.float16, _decode_tq1_0, None),
-    TQ2_0: IQType(256, 66, 2, 256, torch.float16, _decode_tq2_0, None),
+# Lattice and IQ4 types: codebook form (no zero point); TQ: linear, zero point 1.
+IQ_TYPES: dict[int, BlockType] = {
+    IQ2_XXS: BlockType(256, 66, 4, 32, None, torch.float32, _decode_iq2_xxs, _signed_codebook("IQ2_XXS")),
+    IQ2_XS: BlockType(256, 74, 4, 16, None, torch.float32, _decode_iq2_xs, _signed_codebook("IQ2_XS")),
+    IQ2_S: BlockType(256, 82, 4, 16, None, torch.float32, _decode_iq2_s, _signed_codebook("IQ2_S")),
+    IQ3_XXS: BlockType(256, 98, 4, 32, None, torch.float32, _decode_iq3_xxs, _signed_codebook("IQ3_XXS")),
+    IQ3_S: BlockType(256, 110, 4, 32, None, torch.float32, _decode_iq3_s, _signed_codebook("IQ3_S")),
+    IQ1_S: BlockType(256, 50, 4, 32, None, torch.float32, _decode_iq1_s, _IQ1_CODEBOOK),
+    IQ1_M: BlockType(256, 56, 4, 16, None, torch.float32, _decode_iq1_m, _IQ1_CODEBOOK),
+    IQ4_NL: BlockType(32, 18, 4, 32, None, torch.float16, _decode_iq4_nl, IQ4_VALUES),
+    IQ4_XS: BlockType(256, 136, 4, 32, None, torch.int8, _decode_iq4_xs, IQ4_VALUES),
+    TQ1_0: BlockType(256, 54, 2, 256, 1, torch.float16, _decode_tq1_0),
+    TQ2_0: BlockType(256, 66, 2, 256, 1, torch.float16, _decode_tq2_0),
 }

@@ -34,8 +34,6 @@ multi-GiB tensor never needs more than a few tens of MiB of temporaries.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,7 +41,8 @@ import torch
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight, pack_codes
 from .gguf_file import GGML_TYPES, LOADABLE_TYPES
-from .gguf_iquants import IQ_TYPES, IQType
+from .gguf_blocks import BlockType, Decoded, fp16
+from .gguf_iquants import IQ_TYPES
 
 # ggml type ids (stable across llama.cpp versions; names and sizes live in GGML_TYPES).
 F32, F16, BF16 = 0, 1, 30
@@ -66,43 +65,8 @@ _DENSE: dict[int, tuple[torch.dtype, int]] = {
 _CHUNK_ELEMENTS = 1 << 22
 
 
-@dataclass(frozen=True, slots=True)
-class _Decoded:
-    """One chunk of blocks in QuantWeight terms, before packing: ``codes`` uint8
-    ``[n_blocks, block_elements]`` (unpacked), ``scales`` ``[n_blocks, groups_per_block]``
-    and, for the mins form, ``mins`` of the same shape. K-quants give integer sub-scales
-    (and sub-mins) plus their fp16 ``super_scales`` (``super_mins``) ``[n_blocks, 1]``."""
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None = None
-    super_scales: torch.Tensor | None = None
-    super_mins: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _BlockType:
-    block_elements: int
-    block_bytes: int
-    bits: int
-    group_size: int
-    zero: int | None  # constant zero point; None means the mins form (or the codebook's)
-    scale_dtype: torch.dtype  # an integer type means two-level scales (K-quants)
-    decode: Callable[[torch.Tensor], _Decoded]
-    codebook: tuple[float, ...] | None = None  # each code's value (MXFP4)
-
-    @property
-    def two_level(self) -> bool:
-        return not self.scale_dtype.is_floating_point
-
-
 # ---------------------------------------------------------------------------
 # Field helpers. ``blocks`` is always uint8 [n_blocks, block_bytes].
-
-
-def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The little-endian fp16 at ``offset`` of every block, as fp16 ``[n_blocks, 1]``."""
-    return blocks[:, offset:offset + 2].contiguous().view(torch.float16)
 
 
 def _split_bits(x: torch.Tensor, width: int, count: int, dim: int) -> torch.Tensor:
@@ -150,43 +114,43 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
 # ``gguf/quants.py``); each comment gives the struct field order.
 
 
-def _decode_q4_0(blocks: torch.Tensor) -> _Decoded:
+def _decode_q4_0(blocks: torch.Tensor) -> Decoded:
     # d fp16 | 16 bytes of nibbles
-    return _Decoded(codes=_nibbles_halves(blocks[:, 2:18]), scales=_fp16(blocks, 0))
+    return Decoded(codes=_nibbles_halves(blocks[:, 2:18]), scales=fp16(blocks, 0))
 
 
-def _decode_q4_1(blocks: torch.Tensor) -> _Decoded:
+def _decode_q4_1(blocks: torch.Tensor) -> Decoded:
     # d fp16 | m fp16 | 16 bytes of nibbles; w = d*q + m == d*q - (-m) exactly
-    return _Decoded(codes=_nibbles_halves(blocks[:, 4:20]), scales=_fp16(blocks, 0), mins=-_fp16(blocks, 2).float())
+    return Decoded(codes=_nibbles_halves(blocks[:, 4:20]), scales=fp16(blocks, 0), mins=-fp16(blocks, 2).float())
 
 
-def _decode_q5_0(blocks: torch.Tensor) -> _Decoded:
+def _decode_q5_0(blocks: torch.Tensor) -> Decoded:
     # d fp16 | qh u32 (5th bits) | 16 bytes of nibbles
     codes = _nibbles_halves(blocks[:, 6:22]) | (_high_bits_32(blocks[:, 2:6]) << 4)
-    return _Decoded(codes=codes, scales=_fp16(blocks, 0))
+    return Decoded(codes=codes, scales=fp16(blocks, 0))
 
 
-def _decode_q5_1(blocks: torch.Tensor) -> _Decoded:
+def _decode_q5_1(blocks: torch.Tensor) -> Decoded:
     # d fp16 | m fp16 | qh u32 | 16 bytes of nibbles
     codes = _nibbles_halves(blocks[:, 8:24]) | (_high_bits_32(blocks[:, 4:8]) << 4)
-    return _Decoded(codes=codes, scales=_fp16(blocks, 0), mins=-_fp16(blocks, 2).float())
+    return Decoded(codes=codes, scales=fp16(blocks, 0), mins=-fp16(blocks, 2).float())
 
 
-def _decode_q8_0(blocks: torch.Tensor) -> _Decoded:
+def _decode_q8_0(blocks: torch.Tensor) -> Decoded:
     # d fp16 | 32 int8. Flipping the sign bit maps int8 q to the unsigned code q + 128.
-    return _Decoded(codes=blocks[:, 2:34] ^ 0x80, scales=_fp16(blocks, 0))
+    return Decoded(codes=blocks[:, 2:34] ^ 0x80, scales=fp16(blocks, 0))
 
 
-def _decode_q2_k(blocks: torch.Tensor) -> _Decoded:
+def _decode_q2_k(blocks: torch.Tensor) -> Decoded:
     # 16 scale bytes (low nibble scale, high nibble min) | 64 bytes of 2-bit codes | d | dmin.
     # Code byte j of 32-byte half h holds elements 128h + 32s + j at bits 2s..2s+1.
     sc = blocks[:, 0:16]
     codes = _split_bits(blocks[:, 16:80].reshape(-1, 2, 32), 2, 4, 2).reshape(blocks.shape[0], -1)
-    return _Decoded(codes=codes, scales=sc & 0x0F, mins=sc >> 4, super_scales=_fp16(blocks, 80),
-                    super_mins=_fp16(blocks, 82))
+    return Decoded(codes=codes, scales=sc & 0x0F, mins=sc >> 4, super_scales=fp16(blocks, 80),
+                    super_mins=fp16(blocks, 82))
 
 
-def _decode_q3_k(blocks: torch.Tensor) -> _Decoded:
+def _decode_q3_k(blocks: torch.Tensor) -> Decoded:
     # hmask 32 bytes | 64 bytes of 2-bit low codes | 12 bytes of 6-bit scales | d.
     n = blocks.shape[0]
     # Low 2 bits: laid out like Q2_K's codes.
@@ -201,26 +165,26 @@ def _decode_q3_k(blocks: torch.Tensor) -> _Decoded:
     low_sc = _split_bits(packed[:, 0:8], 4, 2, 1).reshape(n, 16)
     high_sc = _split_bits(packed[:, 8:12], 2, 4, 1).reshape(n, 16)
     signed = (low_sc | (high_sc << 4)).to(torch.int8) - 32  # 6-bit offset-32 scale
-    return _Decoded(codes=codes, scales=signed, super_scales=_fp16(blocks, 108))
+    return Decoded(codes=codes, scales=signed, super_scales=fp16(blocks, 108))
 
 
-def _decode_q4_k(blocks: torch.Tensor) -> _Decoded:
+def _decode_q4_k(blocks: torch.Tensor) -> Decoded:
     # d | dmin | 12 bytes of scales/mins | 128 bytes of nibbles
     sc, m = _k_scale_min(blocks[:, 4:16])
-    return _Decoded(codes=_k_low_nibbles(blocks[:, 16:144]), scales=sc, mins=m, super_scales=_fp16(blocks, 0),
-                    super_mins=_fp16(blocks, 2))
+    return Decoded(codes=_k_low_nibbles(blocks[:, 16:144]), scales=sc, mins=m, super_scales=fp16(blocks, 0),
+                    super_mins=fp16(blocks, 2))
 
 
-def _decode_q5_k(blocks: torch.Tensor) -> _Decoded:
+def _decode_q5_k(blocks: torch.Tensor) -> Decoded:
     # d | dmin | 12 bytes of scales/mins | qh 32 bytes | 128 bytes of nibbles.
     # Bit k of qh byte j is the 5th bit of element 32k + j.
     sc, m = _k_scale_min(blocks[:, 4:16])
     high = _split_bits(blocks[:, 16:48], 1, 8, 1).reshape(blocks.shape[0], -1)
     codes = _k_low_nibbles(blocks[:, 48:176]) | (high << 4)
-    return _Decoded(codes=codes, scales=sc, mins=m, super_scales=_fp16(blocks, 0), super_mins=_fp16(blocks, 2))
+    return Decoded(codes=codes, scales=sc, mins=m, super_scales=fp16(blocks, 0), super_mins=fp16(blocks, 2))
 
 
-def _decode_q6_k(blocks: torch.Tensor) -> _Decoded:
+def _decode_q6_k(blocks: torch.Tensor) -> Decoded:
     # ql 128 bytes | qh 64 bytes | 16 int8 scales | d.
     n = blocks.shape[0]
     # ql: 64-byte half h holds elements 128h + j (low nibble) and 128h + 64 + j (high).
@@ -228,7 +192,7 @@ def _decode_q6_k(blocks: torch.Tensor) -> _Decoded:
     # qh: 32-byte half h holds the top 2 bits of elements 128h + 32s + j at bits 2s.
     high = _split_bits(blocks[:, 128:192].reshape(-1, 2, 32), 2, 4, 2).reshape(n, -1)
     scales = blocks[:, 192:208].contiguous().view(torch.int8)
-    return _Decoded(codes=low | (high << 4), scales=scales, super_scales=_fp16(blocks, 208))
+    return Decoded(codes=low | (high << 4), scales=scales, super_scales=fp16(blocks, 208))
 
 
 def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
@@ -237,39 +201,24 @@ def e8m0_half(exponents: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(exponents.shape), exponents.to(torch.int32) - 128).to(torch.bfloat16)
 
 
-def _decode_mxfp4(blocks: torch.Tensor) -> _Decoded:
+def _decode_mxfp4(blocks: torch.Tensor) -> Decoded:
     # e (e8m0) | 16 bytes of nibbles, laid out as Q4_0's
-    return _Decoded(codes=_nibbles_halves(blocks[:, 1:17]), scales=e8m0_half(blocks[:, 0:1]))
+    return Decoded(codes=_nibbles_halves(blocks[:, 1:17]), scales=e8m0_half(blocks[:, 0:1]))
 
 
-_BLOCK_TYPES: dict[int, _BlockType] = {
-    Q4_0: _BlockType(32, 18, 4, 32, 8, torch.float16, _decode_q4_0),
-    Q4_1: _BlockType(32, 20, 4, 32, None, torch.float16, _decode_q4_1),
-    Q5_0: _BlockType(32, 22, 5, 32, 16, torch.float16, _decode_q5_0),
-    Q5_1: _BlockType(32, 24, 5, 32, None, torch.float16, _decode_q5_1),
-    Q8_0: _BlockType(32, 34, 8, 32, 128, torch.float16, _decode_q8_0),
-    Q2_K: _BlockType(256, 84, 2, 16, None, torch.uint8, _decode_q2_k),
-    Q3_K: _BlockType(256, 110, 3, 16, 4, torch.int8, _decode_q3_k),
-    Q4_K: _BlockType(256, 144, 4, 32, None, torch.uint8, _decode_q4_k),
-    Q5_K: _BlockType(256, 176, 5, 32, None, torch.uint8, _decode_q5_k),
-    Q6_K: _BlockType(256, 210, 6, 16, 32, torch.int8, _decode_q6_k),
-    MXFP4: _BlockType(32, 17, 4, 32, None, torch.bfloat16, _decode_mxfp4, codebook=MXFP4_VALUES),
-}
-
-
-def _iq_decoder(iq: IQType) -> Callable[[torch.Tensor], _Decoded]:
-    def decode(blocks: torch.Tensor) -> _Decoded:
-        decoded = iq.decode(blocks)
-        return _Decoded(codes=decoded.codes, scales=decoded.scales, super_scales=decoded.super_scales)
-
-    return decode
-
-
-# The IQ and TQ types (gguf_iquants.py): codebook forms, TQ linear with zero point 1.
-_BLOCK_TYPES |= {
-    ggml_type: _BlockType(iq.block_elements, iq.block_bytes, iq.bits, iq.group_size, None if iq.codebook else 1,
-                          iq.scale_dtype, _iq_decoder(iq), codebook=iq.codebook)
-    for ggml_type, iq in IQ_TYPES.items()
+_BLOCK_TYPES: dict[int, BlockType] = {
+    Q4_0: BlockType(32, 18, 4, 32, 8, torch.float16, _decode_q4_0),
+    Q4_1: BlockType(32, 20, 4, 32, None, torch.float16, _decode_q4_1),
+    Q5_0: BlockType(32, 22, 5, 32, 16, torch.float16, _decode_q5_0),
+    Q5_1: BlockType(32, 24, 5, 32, None, torch.float16, _decode_q5_1),
+    Q8_0: BlockType(32, 34, 8, 32, 128, torch.float16, _decode_q8_0),
+    Q2_K: BlockType(256, 84, 2, 16, None, torch.uint8, _decode_q2_k),
+    Q3_K: BlockType(256, 110, 3, 16, 4, torch.int8, _decode_q3_k),
+    Q4_K: BlockType(256, 144, 4, 32, None, torch.uint8, _decode_q4_k),
+    Q5_K: BlockType(256, 176, 5, 32, None, torch.uint8, _decode_q5_k),
+    Q6_K: BlockType(256, 210, 6, 16, 32, torch.int8, _decode_q6_k),
+    MXFP4: BlockType(32, 17, 4, 32, None, torch.bfloat16, _decode_mxfp4, codebook=MXFP4_VALUES),
+    **IQ_TYPES,  # gguf_iquants.py: codebook forms, TQ linear with zero point 1
 }
 
 
@@ -398,8 +347,8 @@ def gguf_to_weight(name: str, raw: np.ndarray, ggml_type: int, shape: tuple[int,
     ``raw`` is the tensor's bytes (a read-only memmap view is fine: what is kept is
     copied); ``shape`` is in torch order, ``(rows, row_elements)`` for a matrix or
     ``(n,)`` for a vector, which becomes a one-row QuantWeight when quantized. The
-    QuantWeight dequantizes bit-exactly to ggml's reference. Other types (IQ*, Q8_1,
-    Q8_K, TQ*, integer types, unknown ids) raise ``LocalserveError``.
+    QuantWeight dequantizes bit-exactly to ggml's reference. Other types (Q8_1, Q8_K,
+    integer types, unknown ids) raise ``LocalserveError``.
     """
     raw = _byte_view(name, raw)
     shape = tuple(shape)
