@@ -325,12 +325,15 @@ def test_run_against_the_server(server) -> None:  # type: ignore[no-untyped-def]
         assert 0 < r.ttft <= r.e2el <= r.end - r.start
         assert len(r.itl) == r.chunks - 1
         assert r.generated_text
-    # localserve streams one token per event here, so every token after the first has its gap.
-    assert sum(len(r.itl) for r in result.records) == sum(r.output_tokens - 1 for r in result.records)
+    # localserve streams one token per event while the client keeps up; a lagging client gets the
+    # tokens queued meanwhile in one event (async_engine.RequestStream), so a loaded machine sees fewer
+    # gaps than tokens, never more, and the metrics count every gap the records hold.
+    gaps = sum(len(r.itl) for r in result.records)
+    assert 0 < gaps <= sum(r.output_tokens - 1 for r in result.records)
     assert m.total_output_tokens == 96 and m.total_input_tokens == 12 * 16
     assert 1 <= m.max_concurrent_requests <= 4
     assert 1 <= server.state.guard.peak <= 4  # the server saw no more at once (the /v1/models check ran first)
-    assert m.latencies["itl"].count == 12 * 7
+    assert m.latencies["itl"].count == gaps
     data = json.loads(json.dumps(result.to_dict()))
     assert len(data["requests"]) == 12 and data["metrics"]["completed"] == 12
     assert data["config"]["ignore_eos"] is True and data["config"]["max_concurrency"] == 4
