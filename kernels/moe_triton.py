@@ -118,6 +118,7 @@ def _moe_gemm_kernel(
     offsets_ptr,  # zeros (HAS_ZEROS) or mins
     super_scales_ptr,
     super_mins_ptr,
+    codebook_ptr,  # QuantWeight with a codebook only
     perms_ptr,  # HAS_PERMS: [E, K] act-order of each expert
     gates_ptr,  # MUL_GATES: [T*k] fp32, each pair's gate
     sorted_pairs_ptr,
@@ -151,6 +152,7 @@ def _moe_gemm_kernel(
     PACKED: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_CODEBOOK: tl.constexpr,
     HAS_SUPER: tl.constexpr,
     GROUPS_PER_SUPER: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -208,9 +210,9 @@ def _moe_gemm_kernel(
 
         if QUANTIZED:
             w = _dequantize_tile(
-                codes_cols, scales_cols, offsets_cols, super_scales_cols, super_mins_cols, col_mask, k0,
-                stride_wk, stride_sg, stride_zg, stride_ssg, stride_smg,
-                PACKED, GROUP_SIZE, HAS_ZEROS, HAS_SUPER, GROUPS_PER_SUPER, BLOCK_K,
+                codes_cols, scales_cols, offsets_cols, super_scales_cols, super_mins_cols, codebook_ptr, col_mask,
+                k0, stride_wk, stride_sg, stride_zg, stride_ssg, stride_smg,
+                PACKED, GROUP_SIZE, HAS_ZEROS, HAS_CODEBOOK, HAS_SUPER, GROUPS_PER_SUPER, BLOCK_K,
             )
         else:
             if EVEN_K:
@@ -348,10 +350,10 @@ def _grouped_gemm(
     if isinstance(weight, QuantWeight) and (k % block_k or (weight.group_size % block_k and block_k % weight.group_size)):
         raise ValueError(f"block_k={block_k} does not tile K={k} in groups of {weight.group_size}")
     if isinstance(weight, QuantWeight):
-        quant = (weight.scales, weight.zeros, weight.mins, weight.super_scales, weight.super_mins)
+        quant = (weight.scales, weight.zeros, weight.mins, weight.super_scales, weight.super_mins, weight.codebook)
         packed, group_size, groups_per_super = weight.packed, weight.group_size, weight.groups_per_super
     else:
-        quant, packed, group_size, groups_per_super = (None,) * 5, False, 1, 1
+        quant, packed, group_size, groups_per_super = (None,) * 6, False, 1, 1
     torch.ops.localserve.moe_gemm(a, weight if isinstance(weight, torch.Tensor) else weight.codes, *quant,
                                   weights.perms, pair_gates, sorted_pairs, block_experts, out, rows_per_pair,
                                   packed, group_size, groups_per_super, block_m, block_n, block_k)
@@ -360,7 +362,7 @@ def _grouped_gemm(
 @torch.library.custom_op("localserve::moe_gemm", mutates_args=("out",))
 def _moe_gemm_op(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, zeros: torch.Tensor | None,
                  mins: torch.Tensor | None, super_scales: torch.Tensor | None, super_mins: torch.Tensor | None,
-                 perms: torch.Tensor | None, pair_gates: torch.Tensor | None, sorted_pairs: torch.Tensor,
+                 codebook: torch.Tensor | None, perms: torch.Tensor | None, pair_gates: torch.Tensor | None, sorted_pairs: torch.Tensor,
                  block_experts: torch.Tensor, out: torch.Tensor, rows_per_pair: int, packed: bool, group_size: int,
                  groups_per_super: int, block_m: int, block_n: int, block_k: int) -> None:
     """The grouped GEMM's launch. ``weight`` is the dense ``[E, N, K]`` experts, or the
@@ -369,15 +371,16 @@ def _moe_gemm_op(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | N
     n, k = out.shape[1], a.shape[1]
     if scales is not None:
         has_super = super_scales is not None
-        offsets, super_scales, super_mins = quant_operands(scales, zeros, mins, super_scales, super_mins)
+        offsets, super_scales, super_mins, codebook_values = quant_operands(scales, zeros, mins, super_scales,
+                                                                            super_mins, codebook)
         w_strides = (0, *weight.stride())
-        quant_tensors = (scales, offsets, super_scales, super_mins)
+        quant_tensors = (scales, offsets, super_scales, super_mins, codebook_values)
         quant_strides = (*scales.stride(), *offsets.stride(), *super_scales.stride(), *super_mins.stride())
     else:
         # Never read for dense weights: pass the weight itself and zero strides.
         has_super = False
         w_strides = weight.stride()
-        quant_tensors = (weight,) * 4
+        quant_tensors = (weight,) * 5
         quant_strides = (0,) * 8
 
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
@@ -406,6 +409,7 @@ def _moe_gemm_op(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | N
         PACKED=packed,
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None if quantized else True,
+        HAS_CODEBOOK=codebook is not None,
         HAS_SUPER=has_super,
         GROUPS_PER_SUPER=groups_per_super,
         BLOCK_M=block_m,
@@ -416,7 +420,7 @@ def _moe_gemm_op(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | N
 
 
 @_moe_gemm_op.register_fake
-def _(a, weight, scales, zeros, mins, super_scales, super_mins, perms, pair_gates,  # type: ignore[no-untyped-def]
+def _(a, weight, scales, zeros, mins, super_scales, super_mins, codebook, perms, pair_gates,  # type: ignore[no-untyped-def]
       sorted_pairs, block_experts, out, rows_per_pair, packed, group_size, groups_per_super, block_m, block_n,
       block_k) -> None:
     return None  # it only writes ``out``

@@ -5,7 +5,8 @@ See ``quant_linear.py`` for the layout; its ``quant_linear_ref`` is the definiti
 correct. Each program computes one ``BLOCK_M x BLOCK_N`` tile of the output (rows of
 ``x`` by output features), walking the inputs in ``BLOCK_K`` steps: it loads the uint8
 codes of a ``BLOCK_K x BLOCK_N`` slice of ``W.T``, unpacks nibbles if needed,
-dequantizes them in fp32 with the slice's per-group scales and zeros (or mins), casts
+dequantizes them in fp32 with the slice's per-group scales and zeros (or mins), or
+looks each code up in the weight's codebook (GGUF's IQ types, MXFP4) and scales it, casts
 to ``x``'s dtype and accumulates ``tl.dot`` in fp32. The dequantization of a tile is one
 ``@triton.jit`` function, ``_dequantize_tile``, which the grouped MoE GEMM
 (``moe_triton.py``) calls too, so the layout is decoded in one place.
@@ -45,6 +46,7 @@ def _dequantize_tile(
     offsets_cols,
     super_scales_cols,
     super_mins_cols,
+    codebook_ptr,  # HAS_CODEBOOK: fp32 [2 ** bits], each code's value
     col_mask,  # [BLOCK_N]: columns past N load weight 0 (code, scale and offset 0)
     k0,  # the tile's first input; a multiple of BLOCK_K
     stride_ck,
@@ -55,6 +57,7 @@ def _dequantize_tile(
     PACKED: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_CODEBOOK: tl.constexpr,
     HAS_SUPER: tl.constexpr,
     GROUPS_PER_SUPER: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -77,7 +80,6 @@ def _dequantize_tile(
         q = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0xF
     else:
         q = tl.load(codes_cols + ks[:, None] * stride_ck, mask=mask, other=0)
-    q = q.to(tl.float32)
 
     # Group of each input: a scalar when the whole tile lies in one group (one
     # scale per output column), else per input (several whole groups per tile).
@@ -87,18 +89,23 @@ def _dequantize_tile(
     else:
         g = ks[:, None] // GROUP_SIZE
     scale = tl.load(scales_cols + g * stride_sg, mask=mask, other=0.0).to(tl.float32)
-    offset = tl.load(offsets_cols + g * stride_zg, mask=mask, other=0).to(tl.float32)
     if HAS_SUPER:
         # Two-level scales: the same fp32 product the reference forms per group.
         sg = g // GROUPS_PER_SUPER
         scale = tl.load(super_scales_cols + sg * stride_ssg, mask=mask, other=0.0).to(tl.float32) * scale
-        if not HAS_ZEROS:
-            offset = tl.load(super_mins_cols + sg * stride_smg, mask=mask, other=0.0).to(tl.float32) * offset
     # Dequantize in fp32 exactly as the reference does; the caller rounds once to x's dtype.
-    if HAS_ZEROS:
-        w = scale * (q - offset)
+    if HAS_CODEBOOK:
+        # A gather from a table of at most 16 floats, which stays in L1. Masked columns
+        # look up code 0 under scale 0.
+        w = scale * tl.load(codebook_ptr + q.to(tl.int32))
     else:
-        w = scale * q - offset
+        offset = tl.load(offsets_cols + g * stride_zg, mask=mask, other=0).to(tl.float32)
+        if HAS_SUPER and not HAS_ZEROS:
+            offset = tl.load(super_mins_cols + sg * stride_smg, mask=mask, other=0.0).to(tl.float32) * offset
+        if HAS_ZEROS:
+            w = scale * (q.to(tl.float32) - offset)
+        else:
+            w = scale * q.to(tl.float32) - offset
     return w
 
 
@@ -110,6 +117,7 @@ def _quant_linear_kernel(
     zeros_ptr,  # zeros (HAS_ZEROS) or mins; same [N, groups] indexing
     super_scales_ptr,  # two-level scales (HAS_SUPER): [N, groups // GROUPS_PER_SUPER]
     super_mins_ptr,  # their mins counterpart (HAS_SUPER and not HAS_ZEROS)
+    codebook_ptr,  # HAS_CODEBOOK: each code's value
     bias_ptr,
     out_ptr,
     M,
@@ -133,6 +141,7 @@ def _quant_linear_kernel(
     PACKED: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    HAS_CODEBOOK: tl.constexpr,
     HAS_SUPER: tl.constexpr,
     GROUPS_PER_SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -169,9 +178,9 @@ def _quant_linear_kernel(
 
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None], other=0.0)
         w = _dequantize_tile(
-            codes_cols, scales_cols, zeros_cols, super_scales_cols, super_mins_cols, col_mask, k0,
+            codes_cols, scales_cols, zeros_cols, super_scales_cols, super_mins_cols, codebook_ptr, col_mask, k0,
             stride_ck, stride_sg, stride_zg, stride_ssg, stride_smg,
-            PACKED, GROUP_SIZE, HAS_ZEROS, HAS_SUPER, GROUPS_PER_SUPER, BLOCK_K,
+            PACKED, GROUP_SIZE, HAS_ZEROS, HAS_CODEBOOK, HAS_SUPER, GROUPS_PER_SUPER, BLOCK_K,
         )
 
         # "ieee" only matters for fp32 inputs, which would otherwise go through TF32
@@ -188,9 +197,8 @@ def _quant_linear_kernel(
 
 def supports(weight: QuantWeight) -> bool:
     """Whether the kernel handles this weight's layout: groups of a multiple of 16 inputs
-    (every format localserve loads) and codes of at most 8 bits, affine ones (a codebook's
-    lookup is not in the kernel yet)."""
-    return weight.codebook is None and weight.group_size % _MIN_DOT_DIM == 0 and weight.group_size > 0 and weight.bits <= 8
+    (every format localserve loads) and codes of at most 8 bits."""
+    return weight.group_size % _MIN_DOT_DIM == 0 and weight.group_size > 0 and weight.bits <= 8
 
 
 def _largest_pow2_divisor(n: int) -> int:
@@ -259,7 +267,8 @@ def _quant_linear(
         return x.new_empty(*lead, n)
 
     out = torch.ops.localserve.quant_linear(x2, weight.codes, weight.scales, weight.zeros, weight.mins,
-                                            weight.super_scales, weight.super_mins, bias, weight.packed,
+                                            weight.super_scales, weight.super_mins, weight.codebook, bias,
+                                            weight.packed,
                                             weight.group_size, weight.groups_per_super, block_m, block_n, block_k)
     return out.view(*lead, n)
 
@@ -267,14 +276,15 @@ def _quant_linear(
 @torch.library.custom_op("localserve::quant_linear", mutates_args=())
 def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      mins: torch.Tensor | None, super_scales: torch.Tensor | None, super_mins: torch.Tensor | None,
-                     bias: torch.Tensor | None, packed: bool, group_size: int, groups_per_super: int, block_m: int,
+                     codebook: torch.Tensor | None, bias: torch.Tensor | None, packed: bool, group_size: int, groups_per_super: int, block_m: int,
                      block_n: int, block_k: int) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` for the QuantWeight of these fields."""
     m, k = x.shape
     n = codes.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     has_super = super_scales is not None
-    offsets, super_scales, super_mins = quant_operands(scales, zeros, mins, super_scales, super_mins)
+    offsets, super_scales, super_mins, codebook_values = quant_operands(scales, zeros, mins, super_scales,
+                                                                        super_mins, codebook)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _quant_linear_kernel[grid](
         x,
@@ -283,6 +293,7 @@ def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         offsets,
         super_scales,
         super_mins,
+        codebook_values,
         bias if bias is not None else out,  # never read without HAS_BIAS
         out,
         m,
@@ -299,6 +310,7 @@ def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         PACKED=packed,
         GROUP_SIZE=group_size,
         HAS_ZEROS=zeros is not None,
+        HAS_CODEBOOK=codebook is not None,
         HAS_SUPER=has_super,
         GROUPS_PER_SUPER=groups_per_super,
         HAS_BIAS=bias is not None,
@@ -311,18 +323,18 @@ def _quant_linear_op(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def quant_operands(scales: torch.Tensor, zeros: torch.Tensor | None, mins: torch.Tensor | None,
-                   super_scales: torch.Tensor | None, super_mins: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The offsets (zeros or mins) and the two super-scale pointers a kernel taking
-    ``_dequantize_tile``'s layout is passed: without two-level scales the super pointers
-    are never read, so any tensor stands in."""
-    offsets = zeros if zeros is not None else mins
-    assert offsets is not None
+                   super_scales: torch.Tensor | None, super_mins: torch.Tensor | None, codebook: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The offsets (zeros or mins), the two super-scale pointers and the codebook a kernel
+    taking ``_dequantize_tile``'s layout is passed: a pointer its flags say is never read
+    (offsets under a codebook, super scales without two levels) gets any tensor."""
+    offsets = next(t for t in (zeros, mins, scales) if t is not None)
     super_scales = super_scales if super_scales is not None else scales
-    return offsets, super_scales, super_mins if super_mins is not None else super_scales
+    super_mins = super_mins if super_mins is not None else super_scales
+    return offsets, super_scales, super_mins, codebook if codebook is not None else scales
 
 
 @_quant_linear_op.register_fake
-def _(x, codes, scales, zeros, mins, super_scales, super_mins, bias, packed,  # type: ignore[no-untyped-def]
-      group_size, groups_per_super, block_m, block_n, block_k) -> torch.Tensor:
+def _(x, codes, scales, zeros, mins, super_scales, super_mins, codebook, bias,  # type: ignore[no-untyped-def]
+      packed, group_size, groups_per_super, block_m, block_n, block_k) -> torch.Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])

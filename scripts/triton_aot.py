@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from localserve.formats.gguf_quants import gguf_to_weight  # noqa: E402
@@ -147,17 +148,18 @@ def _attention(dtype: torch.dtype, cache: torch.dtype, heads: int, kv_heads: int
                                      softcap=softcap, sinks=torch.zeros(heads) if sinks else None)
 
 
-_GGML = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-         "Q6_K": 14}
-_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-          "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+# The GGUF types by the layout the reader gives them: affine codes (one or two levels of
+# scales, zeros or mins) and codebooks (the IQ types' and MXFP4's lookup before scaling).
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "TQ2_0",
+              "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_XXS", "IQ1_M", "MXFP4"]
 
 
 def _gguf_weight(kind: str, rows: int, columns: int) -> Any:
     """A weight as the GGUF loader makes it (zero blocks: the layout is what matters)."""
-    elements, size = _BLOCK[kind]
+    qtype = GGMLQuantizationType[kind]
+    elements, size = GGML_QUANT_SIZES[qtype]
     raw = np.zeros(rows * columns // elements * size, dtype=np.uint8)
-    return gguf_to_weight("w", raw, _GGML[kind], (rows, columns))
+    return gguf_to_weight("w", raw, int(qtype), (rows, columns))
 
 
 def _gptq_weight(bits: int, group: int, rows: int, columns: int) -> Any:
@@ -222,7 +224,7 @@ def cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                    lambda a=(dtype, query_len): _attention(a[0], a[0], 8, 4, 256, a[1], False, softcap=50.0))
             yield (f"paged_attention {phase} {str(dtype)[6:]} 64/8x64 sinks",
                    lambda a=(dtype, query_len): _attention(a[0], a[0], 64, 8, 64, a[1], False, sinks=True))
-        kinds = ["Q4_K", "Q6_K", "Q8_0"] if quick else list(_BLOCK)
+        kinds = ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"] if quick else GGUF_TYPES
         for m in ((1, 64) if quick else (1, 16, 32, 64)):
             for kind in kinds:
                 yield f"quant_linear {str(dtype)[6:]} {kind} m={m}", \
@@ -233,7 +235,7 @@ def cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
             if not quick:
                 yield f"quant_linear {str(dtype)[6:]} AWQ 4-bit g128 m={m}", \
                     lambda a=(dtype, m): _linear(a[0], _awq_weight(128, 2048, 2048), a[1])
-        for kind in (["dense", "Q4_K"] if quick else ["dense", "Q4_K", "Q6_K", "Q8_0"]):
+        for kind in (["dense", "Q4_K", "MXFP4"] if quick else ["dense", "Q4_K", "Q6_K", "Q8_0", "IQ4_XS", "MXFP4"]):
             for tokens in ((1, 256) if quick else (1, 256, 1024)):
                 yield f"fused_moe {str(dtype)[6:]} {kind} 64x top-8 tokens={tokens}", \
                     lambda a=(dtype, kind, tokens): _moe(a[0], a[1], 64, 8, 1024, 512, a[2])

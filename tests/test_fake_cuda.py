@@ -49,16 +49,16 @@ def _awq() -> tuple[dict, object]:
             lambda rng, o, i: awq_layer(rng, o, i, 64, True))
 
 
-def _gguf(root: Path, model: torch.nn.Module) -> Path:
-    """The model quantized to Q4_K_M by llama.cpp's own quantizer."""
+def _gguf(root: Path, model: torch.nn.Module, ftype: str = "Q4_K_M") -> Path:
+    """The model quantized by llama.cpp's own quantizer."""
     import gguf
 
     from .gguf_writers import write_gguf
     from .test_gguf_models import llama_cpp_quantize
 
-    source, path = root / "f32.gguf", root / "Q4_K_M.gguf"
+    source, path = root / "f32.gguf", root / f"{ftype}.gguf"
     write_gguf(source, model, gguf.GGMLQuantizationType.F32)
-    llama_cpp_quantize(source, path, "Q4_K_M")
+    llama_cpp_quantize(source, path, ftype)
     return path
 
 
@@ -83,11 +83,14 @@ def make_checkpoint(kind: str, root: Path, tiny_models) -> Path:  # type: ignore
         return write_moe_checkpoint(root, "mixtral", *_awq())[0]
     if kind == "gguf-dense":
         return _gguf(root, tiny_llama())
+    if kind == "gguf-iq4_xs-moe":  # codebook weights: a table lookup inside the GEMMs
+        return _gguf(root, tiny_moe("qwen2_moe"), "IQ4_XS")
     assert kind == "gguf-moe"
     return _gguf(root, tiny_moe("qwen2_moe"))
 
 
-KINDS = ["hf-dense", "hf-moe", "gptq-dense", "gptq-moe", "awq-dense", "awq-moe", "gguf-dense", "gguf-moe"]
+KINDS = ["hf-dense", "hf-moe", "gptq-dense", "gptq-moe", "awq-dense", "awq-moe", "gguf-dense", "gguf-moe",
+         "gguf-iq4_xs-moe"]
 
 # Sampling that takes every branch of the sampler at once.
 PARAMS = [
@@ -125,6 +128,9 @@ def test_engine_steps_on_a_fake_card(tmp_path, tiny_models, kind: str) -> None:
         stats = engine.stats()
 
     assert len(finished) == len(prompts)
+    if "iq4" in kind:
+        experts = engine.runner.model.layers[0].mlp.experts.mlp
+        assert all(w.weight.codebook is not None for w in (*experts.gate_up, experts.down))
     # A fake tensor has no values: every token read back is 0.
     assert all(out.token_ids == [0] * 6 for out in finished)
     assert stats.swap_out_blocks > 0 and stats.swap_in_blocks > 0

@@ -22,6 +22,7 @@ from localserve.kernels import moe  # noqa: E402
 from localserve.kernels import moe_triton  # noqa: E402
 from localserve.kernels.experts import ExpertMLP, ExpertWeights  # noqa: E402
 from localserve.kernels.moe_ref import fused_moe_ref  # noqa: E402
+from localserve.formats.gguf_iquants import IQ4_VALUES  # noqa: E402
 from localserve.kernels.quant_weight import QuantWeight, pack_codes  # noqa: E402
 
 # Relative to the largest output: the kernel sums in another order than torch.
@@ -33,7 +34,11 @@ LAYOUTS = {
     "q8_0": (8, 32, "zeros", None),  # Q8_0: zero point 128
     "q4_k": (4, 32, "mins", 8),  # Q4_K: 6-bit sub-scales and sub-mins under fp16 super-scales
     "q6_k": (6, 16, "zeros", 16),  # Q6_K: int8 sub-scales, zero point 32
+    "iq4_nl": (4, 32, "codebook", None),  # IQ4_NL: fp16 scales over a 16-value codebook
+    "iq4_xs": (4, 32, "codebook", 8),  # IQ4_XS: the same codebook under fp16 x int8 sub-scales
 }
+# The codebook of the IQ4 types (GGUF's kvalues_iq4nl).
+IQ4_CODEBOOK = torch.tensor(IQ4_VALUES, dtype=torch.float32)
 
 
 def make_quant(n: int, k: int, layout: str, gen: torch.Generator, perm: bool = False) -> QuantWeight:
@@ -43,11 +48,13 @@ def make_quant(n: int, k: int, layout: str, gen: torch.Generator, perm: bool = F
     bits, group, form, per_super = LAYOUTS[layout]
     groups = k // group
     codes = pack_codes(torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8), bits)
-    fields: dict = {}
+    fields: dict = {"codebook": IQ4_CODEBOOK} if form == "codebook" else {}
     if per_super is None:
         scales = ((torch.rand(n, groups, generator=gen) + 0.5) * 0.05).to(torch.float16)
         fields["scales"] = torch.where(torch.rand(n, groups, generator=gen) < 0.2, -scales, scales)
-        if layout == "q8_0":
+        if form == "codebook":
+            fields["scales"] = fields["scales"] * 0.02  # the levels reach 127
+        elif layout == "q8_0":
             fields["zeros"] = torch.full((n, groups), 128, dtype=torch.uint8)
         else:
             fields["zeros"] = torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.uint8)
@@ -60,6 +67,9 @@ def make_quant(n: int, k: int, layout: str, gen: torch.Generator, perm: bool = F
             fields["scales"] = torch.randint(0, 64, (n, groups), generator=gen, dtype=torch.uint8)
             fields["mins"] = torch.randint(0, 64, (n, groups), generator=gen, dtype=torch.uint8)
             fields["super_mins"] = ((torch.rand(n, supers, generator=gen) + 0.5) * 0.002).to(torch.float16)
+        elif form == "codebook":
+            fields["scales"] = torch.randint(-32, 32, (n, groups), generator=gen, dtype=torch.int8)
+            fields["super_scales"] = fields["super_scales"] * 0.05
         else:
             fields["scales"] = torch.randint(-128, 128, (n, groups), generator=gen, dtype=torch.int8)
             fields["zeros"] = torch.full((n, groups), 32, dtype=torch.uint8)
@@ -217,7 +227,7 @@ def test_quantized(layout: str, num_tokens: int) -> None:
     """Each layout on gate_up (hidden 512: two K-quant super-blocks of 256 inputs) and
     down (intermediate 64: two super-blocks of fewer groups)."""
     experts = make_experts(4, 512, 64, layout, seed=num_tokens)
-    if layout in ("q4_k", "q6_k"):
+    if layout in ("q4_k", "q6_k", "iq4_xs"):
         assert experts.gate_up[0].weight.groups_per_super == LAYOUTS[layout][3]
         assert experts.gate_up[0].weight.super_scales.shape[1] == 2 == experts.down.weight.super_scales.shape[1]
     assert len(experts.gate_up) == 1 and experts.quantized
@@ -330,6 +340,7 @@ def test_empty_batch() -> None:
 def test_supports() -> None:
     assert moe_triton.supports(make_experts(2, 64, 32, "dense"))
     assert moe_triton.supports(make_experts(2, 64, 32, "q6_k"))
+    assert moe_triton.supports(make_experts(2, 64, 32, "iq4_xs"))
     gen = torch.Generator().manual_seed(0)
     odd = make_quant(32, 64, "gptq4", gen)
     odd = replace(odd, group_size=8, scales=odd.scales.repeat_interleave(4, 1), zeros=odd.zeros.repeat_interleave(4, 1))

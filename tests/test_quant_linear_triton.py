@@ -198,3 +198,32 @@ def test_gguf_k_quants_two_level_scales(type_name: str, block_k: int) -> None:
     assert weight.super_scales is not None
     x, _ = make_inputs(3, 24, 512, torch.float32, bias=False)
     check(x, weight.to(DEVICE), None, block_m=16, block_n=16, block_k=block_k)
+
+
+# Every codebook layout the GGUF reader makes: one-level fp16 scales (IQ4_NL), fp16 x
+# integer sub-scales (IQ4_XS), power-of-two scales over e2m1 values (MXFP4), and lattice
+# types decoded into per-type codebooks (IQ3_S, IQ2_XXS, IQ1_M).
+CODEBOOK_TYPES = ["IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_S", "IQ2_XXS", "IQ1_M"]
+
+
+@pytest.mark.parametrize("block_k", [16, 64])
+@pytest.mark.parametrize("type_name", CODEBOOK_TYPES)
+def test_gguf_codebook_types(type_name: str, block_k: int) -> None:
+    """Each code is looked up in the weight's codebook before scaling: equal to the
+    reference on the reader's own layout, with tiles inside one group and over several."""
+    gguf = pytest.importorskip("gguf")
+    from localserve.formats.gguf_quants import gguf_to_weight
+
+    from .test_gguf_quants import quantized_floats, random_blocks
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    shape = (24, 512)
+    # MXFP4's scale is a bare exponent byte: random bytes would overflow, so gguf-py quantizes.
+    raw = quantized_floats(qtype, shape, seed=1) if type_name == "MXFP4" else random_blocks(qtype, shape, seed=2)
+    weight = gguf_to_weight("w", raw, int(qtype), shape)
+    assert weight.codebook is not None and quant_linear_triton.supports(weight)
+    x, bias = make_inputs(3, 24, 512, torch.float32, bias=True)
+    check(x, weight.to(DEVICE), bias, block_m=16, block_n=16, block_k=block_k)
+    # The random scales reach 1e1 and the levels 127: x is made small so fp16 sums stay finite.
+    x16 = make_inputs(5, 24, 512, torch.float16, bias=False)[0] / 1024
+    check(x16, weight.to(DEVICE), None)
