@@ -183,6 +183,10 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
     path.with_suffix(".partial").replace(path)
 
 
+# llama.cpp refuses to write these mixes without an importance matrix (IQ3_XXS's holds IQ2_S).
+NEEDS_IMATRIX = ("IQ1", "IQ2", "IQ3_XXS")
+
+
 def quantize(source: Path, target: Path, ftype: str) -> None:
     import ctypes
 
@@ -192,6 +196,17 @@ def quantize(source: Path, target: Path, ftype: str) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = os.cpu_count() or 2
+    if ftype.startswith(NEEDS_IMATRIX):
+        # Random weights have no data to weigh their columns by: every column matters alike
+        # (the speed of the file is the same whichever matrix chose its codes).
+        import gguf
+
+        matrices = [t for t in gguf.GGUFReader(source).tensors if len(t.shape) == 2]
+        ones = [(t.name.encode(), np.ones(int(t.shape[0]), dtype=np.float32)) for t in matrices]
+        entries = (llama_cpp.llama_model_imatrix_data * (len(ones) + 1))()  # a zeroed entry ends the list
+        for entry, (name, values) in zip(entries, ones):
+            entry.name, entry.data, entry.size = name, values.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), values.size
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
     partial = target.with_suffix(".partial")
     if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)):
         raise RuntimeError(f"llama.cpp could not quantize to {ftype}")

@@ -31,7 +31,8 @@ class TiledWeightDesc(ctypes.Structure):
     _fields_ = [("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bits", ctypes.c_int32), ("group", ctypes.c_int32),
                 ("groups_per_super", ctypes.c_int32), ("zero", ctypes.c_int32), ("x_block", ctypes.c_int32),
                 ("codes", ctypes.c_void_p), ("high", ctypes.c_void_p), ("super_scales", ctypes.c_void_p), ("sub_scales", ctypes.c_void_p),
-                ("super_mins", ctypes.c_void_p), ("sub_mins", ctypes.c_void_p), ("levels", ctypes.c_void_p)]
+                ("super_mins", ctypes.c_void_p), ("sub_mins", ctypes.c_void_p), ("levels", ctypes.c_void_p),
+                ("level_scale", ctypes.c_float)]
 
 
 class Factors(ctypes.Structure):

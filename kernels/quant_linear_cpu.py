@@ -29,8 +29,9 @@ class TiledWeight:
     """A QuantWeight laid out for the int8 kernel (``ls_tiled_weight`` in csrc/api.h):
     output rows in tiles of ``lanes``, codes as four-input words per lane, fp16 scales
     per group and lane (times int8 sub-scales for two-level types), a constant zero point
-    or fp16 mins (times uint8 sub-mins); a codebook weight's 16 integer levels as bytes
-    ``level + 128`` (``levels``, zero 128). It replaces the QuantWeight it was made from."""
+    or fp16 mins (times uint8 sub-mins); a codebook weight's 16 values as integer levels,
+    bytes ``level + 128`` (``levels``, zero 128), each worth ``level_scale`` (a power of
+    two). It replaces the QuantWeight it was made from."""
 
     out_features: int
     in_features: int
@@ -46,6 +47,7 @@ class TiledWeight:
     super_mins: torch.Tensor | None
     sub_mins: torch.Tensor | None
     levels: torch.Tensor | None = None  # uint8 [16]: a codebook's levels + 128
+    level_scale: float = 1.0
     desc: cpu_library.TiledWeightDesc = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,7 +57,7 @@ class TiledWeight:
         self.desc = cpu_library.TiledWeightDesc(
             self.out_features, self.in_features, self.bits, self.group_size, self.groups_per_super, self.zero,
             self.x_block, address(self.codes), address(self.high), address(self.super_scales), address(self.sub_scales),
-            address(self.super_mins), address(self.sub_mins), address(self.levels))
+            address(self.super_mins), address(self.sub_mins), address(self.levels), self.level_scale)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,7 +85,8 @@ class TiledWeight:
 
         return TiledWeight(stop - start, self.in_features, self.bits, self.group_size, self.groups_per_super,
                            self.zero, self.x_block, self.codes[t0:t1], part(self.high), self.super_scales[t0:t1],
-                           part(self.sub_scales), part(self.super_mins), part(self.sub_mins), self.levels)
+                           part(self.sub_scales), part(self.super_mins), part(self.sub_mins), self.levels,
+                           self.level_scale)
 
     def dequantize_rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` as dense ``[len(index), in_features]`` (an embedding lookup),
@@ -107,11 +110,11 @@ def for_int8_kernel(weight: QuantWeight) -> QuantWeight | TiledWeight:
 
 def can_tile(weight: QuantWeight) -> bool:
     """Whether ``tile`` takes this weight: an ``int8_block`` (GGUF's quantized types), a
-    constant zero point, the mins form or a 4-bit codebook of integer levels (IQ4_NL, IQ4_XS,
-    MXFP4), fp16-exact scales and mins, no act-order."""
+    constant zero point, the mins form or a 4-bit codebook of small integers times a power
+    of two (the IQ types, MXFP4), fp16-exact scales and mins, no act-order."""
     block, group = weight.int8_block, weight.group_size
     if weight.codebook is not None and _levels(weight.codebook) is None:
-        return False  # levels that are not small integers (IQ1's): the reference path
+        return False
     if not (weight.bits in (2, 3, 4, 5, 6, 8) and block > 0 and block % 32 == 0 and weight.in_features % block == 0 and weight.perm is None
             and (group == 16 or group % 32 == 0) and block % group == 0 and weight.codes.device.type == "cpu"):
         return False
@@ -157,7 +160,11 @@ def tile(weight: QuantWeight, lanes: int | None = None) -> TiledWeight:
     two_level = weight.super_scales is not None
     super_scales = weight.super_scales if two_level else weight.scales
     mins = weight.mins
-    levels = None if weight.codebook is None else _levels(weight.codebook)
+    levels, level_scale = None, 1.0
+    if weight.codebook is not None:
+        found = _levels(weight.codebook)
+        assert found is not None, "can_tile refuses such a codebook"
+        levels, level_scale = found
     zero = _LEVEL_ZERO if levels is not None else int(weight.zeros.flatten()[0]) if weight.zeros is not None else -1
     return TiledWeight(
         out_features=n, in_features=k, bits=weight.bits, group_size=weight.group_size,
@@ -167,19 +174,25 @@ def tile(weight: QuantWeight, lanes: int | None = None) -> TiledWeight:
         sub_scales=_per_lane(weight.scales.to(torch.int8), tiles, lanes) if two_level else None,
         super_mins=(None if mins is None else
                     _per_lane((weight.super_mins if two_level else mins).to(torch.float16), tiles, lanes)),
-        sub_mins=_per_lane(mins, tiles, lanes) if mins is not None and two_level else None, levels=levels)
+        sub_mins=_per_lane(mins, tiles, lanes) if mins is not None and two_level else None, levels=levels,
+        level_scale=level_scale)
 
 
 # A codebook's levels are stored shifted by this, as the unsigned bytes the kernel multiplies.
 _LEVEL_ZERO = 128
 
 
-def _levels(codebook: torch.Tensor) -> torch.Tensor | None:
-    """A 16-value codebook as the kernel's level bytes (``level + 128``), or None unless
-    every value is an integer in -128..127."""
-    if codebook.numel() != 16 or not torch.equal(codebook, codebook.round()) or codebook.abs().max() > 127:
+def _levels(codebook: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """A 16-value codebook as the kernel's level bytes (``level + 128``) and what a level
+    is worth: the values as integers in -128..127 times 1, 1/2, ... 1/8 (IQ1's and IQ2's
+    eighths), or None."""
+    if codebook.numel() != 16:
         return None
-    return (codebook.to(torch.int16) + _LEVEL_ZERO).to(torch.uint8).contiguous()
+    for shift in range(4):
+        levels = codebook * (1 << shift)
+        if torch.equal(levels, levels.round()) and levels.abs().max() <= 127:
+            return (levels.to(torch.int16) + _LEVEL_ZERO).to(torch.uint8).contiguous(), 1.0 / (1 << shift)
+    return None
 
 
 def int8_linear(x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,7 +209,8 @@ def weight_table(weights: list[TiledWeight]) -> ctypes.Array:
     """The weights' descriptors as the array ``grouped_int8_linear`` takes (keep the
     weights alive as long as the table)."""
     forms = {(w.shape, w.bits, w.group_size, w.groups_per_super, w.zero, w.x_block, w.lanes,
-              w.high is None, w.sub_scales is None, w.super_mins is None, w.sub_mins is None, w.levels is None)
+              w.high is None, w.sub_scales is None, w.super_mins is None, w.sub_mins is None, w.levels is None,
+              w.level_scale)
              for w in weights}
     if len(forms) != 1:
         raise ValueError("a weight table holds weights of one shape and form")

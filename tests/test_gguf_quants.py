@@ -98,7 +98,7 @@ def test_gguf_py_quantized_floats_match(qtype: T) -> None:
     assert_matches_reference(raw, qtype, shape)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.IQ2_XXS, T.IQ3_S, T.IQ1_S], ids=lambda t: t.name)
 def test_many_chunks_and_special_scales(qtype: T, monkeypatch: pytest.MonkeyPatch) -> None:
     # Force one row per chunk, and put zero, subnormal and large scales into the blocks.
     monkeypatch.setattr(gguf_quants, "_CHUNK_ELEMENTS", 1)

@@ -75,6 +75,8 @@ def make_gguf_like(bits: int, group_size: int, form: str, x_block: int, n: int =
         extra["zeros"] = torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8)
     if form == "codebook":
         extra["codebook"] = torch.tensor(IQ4_VALUES)
+    if form == "eighths":  # values that are integers over 8, as the IQ1/IQ2 codebooks
+        extra["codebook"] = torch.tensor(IQ4_VALUES) / 8
     codes = torch.randint(0, 1 << bits, (n, k), generator=generator)
     return QuantWeight(bits, group_size, pack_codes(codes, bits), scales, int8_block=x_block, **extra)
 
@@ -87,9 +89,11 @@ CASES = [
 ]
 # Nibbles (2, 4 bits), bytes (5, 6) and full bytes (8); groups of 16 (Q2_K, Q3_K, Q6_K) and
 # 32; single-level scales with 32-input x blocks, two-level with 256 (the K-quants).
-# Codebook weights: IQ4_XS (two-level) and IQ4_NL / MXFP4 (one level) in the int8 kernel.
+# Codebook weights: IQ4_XS (two-level) and IQ4_NL / MXFP4 (one level) in the int8 kernel,
+# and values in eighths under sub-scales per 16 and 32 (IQ2_XS, IQ1_M; IQ2_XXS, IQ1_S).
 GGUF_CASES = [*itertools.product([2, 4, 5, 6, 8], [(16, 256), (32, 256), (32, 32)], ["zeros", "mins"]),
-              (4, (32, 256), "codebook"), (4, (32, 32), "codebook")]
+              (4, (32, 256), "codebook"), (4, (32, 32), "codebook"), (4, (16, 256), "eighths"),
+              (4, (32, 256), "eighths")]
 ROW_COUNTS = (1, 2, 3, 5, 16, 64)
 
 
@@ -238,9 +242,12 @@ def test_only_gguf_style_weights_are_tiled() -> None:
     no_block = make_gguf_like(4, 32, "zeros", 32)
     no_block.int8_block = 0
     assert not can_tile(no_block)
-    fractional_levels = make_gguf_like(4, 32, "codebook", 32)
-    fractional_levels.codebook = fractional_levels.codebook / 8  # IQ1's levels: not integers
-    assert not can_tile(fractional_levels)
+    eighths = make_gguf_like(4, 32, "codebook", 32)
+    eighths.codebook = eighths.codebook / 8  # a power of two times integers (IQ1's and IQ2's values)
+    assert can_tile(eighths) and tile(eighths).level_scale == 1 / 8
+    thirds = make_gguf_like(4, 32, "codebook", 32)
+    thirds.codebook = thirds.codebook / 3
+    assert not can_tile(thirds)
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,3 +275,25 @@ def test_dense_kernel_equals_torch_and_is_batch_invariant(n: int, k: int) -> Non
     for rows in ROW_COUNTS:
         assert torch.equal(quant_linear_cpu.dense_linear(x[-rows:], weight, bias), together[-rows:])
     assert torch.equal(linear(x[:3], weight, bias), together[:3])  # the dispatcher's choice for fp32 on CPU
+
+
+@pytest.mark.parametrize("type_name", ["IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS",
+                                       "IQ1_M", "IQ1_S", "TQ2_0", "TQ1_0"])
+def test_every_iq_and_tq_layout_tiles_exactly(type_name: str) -> None:
+    """The GGUF reader's own layout of each type goes onto the int8 kernel and holds the
+    same values; x meets it rounded per the type's block."""
+    gguf = pytest.importorskip("gguf")
+    from localserve.formats.gguf_quants import gguf_to_weight
+
+    from .test_gguf_quants import random_blocks
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    shape = (40, 512)
+    weight = gguf_to_weight("w", random_blocks(qtype, shape, seed=3), int(qtype), shape)
+    assert can_tile(weight)
+    tiled = tile(weight)
+    assert torch.equal(tiled.dequantize(), dequantize(weight))
+    x = torch.randn(5, 512)
+    rounded = quantize_activations(x, weight.int8_block)
+    magnitude = rounded.abs() @ dequantize(weight).abs().T
+    assert ((int8_linear(x, tiled) - quant_linear_ref(rounded, weight)).abs() <= 1e-5 * magnitude).all()

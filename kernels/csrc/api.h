@@ -25,9 +25,10 @@ void ls_set_threads(int32_t n);   // OpenMP threads for every kernel
 //     zero form: S_g * (u - zero)          mins form (zero < 0): S_g * u - M_g
 // with S_g = super_scales[g / groups_per_super] (fp16), times sub_scales[g] when
 // sub_scales is set (the fp32 product), and M_g likewise from super_mins and sub_mins.
-// A codebook weight (GGUF's IQ4_NL, IQ4_XS, MXFP4: 4-bit codes standing for 16 integer
-// levels) has `levels`: the stored code c stands for u = levels[c], each level plus 128, with
-// zero 128, so that S_g * (u - zero) is S_g times the level.
+// A codebook weight (GGUF's IQ and MXFP4 types: 4-bit codes standing for 16 values) has
+// `levels`: the stored code c stands for u = levels[c], each level plus 128, with zero 128,
+// and S_g is further multiplied by `level_scale`, so that S_g * (u - zero) is the group's
+// scale times the value (the values are the levels times a power of two: IQ2's eighths).
 //
 // Layouts (T tiles, L lanes, B = k / 32 blocks, G = k / group groups, P = G / groups_per_super):
 //   codes         uint8 [T, B, chunk, L, 4]: nibbles (bits <= 6): 4 chunks, byte i of chunk j holds the
@@ -52,6 +53,7 @@ struct ls_tiled_weight {
   const uint16_t* super_mins;
   const uint8_t* sub_mins;
   const uint8_t* levels;     // 16 bytes for 4-bit codebook codes (zero 128), or null
+  float level_scale;         // what a level is worth (a power of two; 1 without levels)
 };
 
 // out [rows, n] = round8(x [rows, k]) @ W.T: each row of x rounded to int8 per x_block

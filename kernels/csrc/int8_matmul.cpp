@@ -152,6 +152,7 @@ struct TiledCodes {
     const int64_t tile = tile0 + t;
     F s = Simd::load_half(w.super_scales + (tile * supers + g / w.groups_per_super) * kLanes);
     if constexpr (kTwoLevel) s = Simd::mul(s, Simd::load_i8(w.sub_scales + (tile * groups + g) * kLanes));
+    if constexpr (kLevels) s = Simd::mul(s, Simd::set1f(w.level_scale));  // exact: a power of two
     return s;
   }
 
@@ -438,6 +439,7 @@ void ls_tiled_dequantize_rows(const ls_tiled_weight* w, const int64_t* index, in
       const int64_t sub = (tile * groups + g) * kLanes + lane;
       float scale = ls::half_to_float(w->super_scales[s]);
       if (w->sub_scales) scale = scale * static_cast<float>(w->sub_scales[sub]);
+      if (w->levels) scale = scale * w->level_scale;
       float value;
       if (w->zero >= 0) {
         value = (u - static_cast<float>(w->zero)) * scale;

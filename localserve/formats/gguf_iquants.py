@@ -4,12 +4,14 @@ ternary ones (TQ1_0, TQ2_0), decoded into QuantWeight's terms without loss.
 Every IQ type's weight is a per-group scale times one of at most 16 values: IQ4's 16
 non-uniform levels; or, for the lattice types, a grid entry's value with a sign (IQ2: 3
 magnitudes, IQ3: 8) or plus a per-group offset of +-1/8 (IQ1: 3 values and 2 offsets).
-Decoding the grids at load turns each into QuantWeight's codebook form, 4-bit codes into a
-16-value codebook under fp32 group scales (IQ4_NL: its fp16 ones; IQ4_XS: fp16
-super-scales times int8 sub-scales, as ggml multiplies them), with each scale the fp32 expression gguf-py's
-reference computes, and ``scale * codebook[code]`` the same fp32 product as its
-``scale * grid * sign`` (a sign flip is exact) or ``scale * (grid + delta)``. TQ1_0/TQ2_0
-are linear: 2-bit codes with zero point 1 under an fp16 scale per 256.
+Decoding the grids at load turns each into QuantWeight's codebook form: 4-bit codes into a
+16-value codebook under the block's fp16 ``d`` times an integer sub-scale per 16 or 32
+(IQ4_NL: its fp16 scale alone). ggml's sub-scale ``d * (0.5 + s) * step`` becomes the
+integer ``2s + 1`` with ``step / 2`` folded into the codebook (IQ2: grid values / 8, IQ3_XXS:
+/ 4), a power of two; every product involved has at most 22 significant bits, so
+``super * sub * codebook[code]`` is exactly gguf-py's fp32 ``scale * grid * sign`` (or
+``scale * (grid + delta)``) whatever the order. TQ1_0/TQ2_0 are linear: 2-bit codes with
+zero point 1 under an fp16 scale per 256.
 
 Byte layouts follow ggml's block structs, as gguf-py's ``gguf/quants.py`` mirrors them.
 """
@@ -45,9 +47,10 @@ def _grid(name: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy()).view(rows, width)
 
 
-def _signed_codebook(name: str) -> tuple[float, ...]:
-    """A lattice type's values, then their negatives, padded to 16 (code = index + n if negative)."""
-    values = GRIDS[name][0]
+def _signed_codebook(name: str, unit: float) -> tuple[float, ...]:
+    """A lattice type's values times ``unit``, then their negatives, padded to 16 (code =
+    index + n if negative)."""
+    values = [v * unit for v in GRIDS[name][0]]
     return (*values, *(-v for v in values), *([0.0] * (16 - 2 * len(values))))
 
 
@@ -80,9 +83,9 @@ def _sign_bits(sign_index: torch.Tensor) -> torch.Tensor:
     return _bits(_KSIGNS[sign_index], 1, 8).reshape(sign_index.shape[0], -1)
 
 
-def _half_step_scales(d: torch.Tensor, nibbles: torch.Tensor, step: float) -> torch.Tensor:
-    # gguf-py: d * (0.5 + s) * step, left to right in fp32.
-    return d.float() * (0.5 + nibbles.float()) * step
+def _odd(nibbles: torch.Tensor) -> torch.Tensor:
+    """The integer sub-scales ``2s + 1`` (at most 31) of 3- or 4-bit fields ``s``."""
+    return (2 * nibbles + 1).to(torch.int8)
 
 
 def _decode_iq2_xxs(blocks: torch.Tensor) -> Decoded:
@@ -91,16 +94,15 @@ def _decode_iq2_xxs(blocks: torch.Tensor) -> Decoded:
     words = _words(blocks, 2, 66, 4).view(n, 8, 2)
     index = blocks[:, 2:66].view(n, 8, 8)[:, :, 0:4].reshape(n, 32).long()
     signs = _sign_bits(_bits(words[..., 1], 7, 4).reshape(n, 32))
-    scales = _half_step_scales(fp16(blocks, 0), words[..., 1] >> 28, 0.25)
-    return Decoded(_lattice("IQ2_XXS", index, signs), scales)
+    return Decoded(_lattice("IQ2_XXS", index, signs), _odd(words[..., 1] >> 28), super_scales=fp16(blocks, 0))
 
 
 def _decode_iq2_xs(blocks: torch.Tensor) -> Decoded:
     # d | 32 x u16 (9-bit grid index, 7-bit sign index) | 8 bytes of two 4-bit scales (per 16)
     n = blocks.shape[0]
     qs = _words(blocks, 2, 66, 2)
-    scales = _half_step_scales(fp16(blocks, 0), _bits(blocks[:, 66:74], 4, 2).reshape(n, 16), 0.25)
-    return Decoded(_lattice("IQ2_XS", qs & 511, _sign_bits(qs >> 9)), scales)
+    scales = _odd(_bits(blocks[:, 66:74], 4, 2).reshape(n, 16))
+    return Decoded(_lattice("IQ2_XS", qs & 511, _sign_bits(qs >> 9)), scales, super_scales=fp16(blocks, 0))
 
 
 def _decode_iq2_s(blocks: torch.Tensor) -> Decoded:
@@ -108,8 +110,8 @@ def _decode_iq2_s(blocks: torch.Tensor) -> Decoded:
     n = blocks.shape[0]
     index = blocks[:, 2:34].long() | (_bits(blocks[:, 66:74], 2, 4).reshape(n, 32) << 8)
     signs = _bits(blocks[:, 34:66], 1, 8).reshape(n, 256)
-    scales = _half_step_scales(fp16(blocks, 0), _bits(blocks[:, 74:82], 4, 2).reshape(n, 16), 0.25)
-    return Decoded(_lattice("IQ2_S", index, signs), scales)
+    scales = _odd(_bits(blocks[:, 74:82], 4, 2).reshape(n, 16))
+    return Decoded(_lattice("IQ2_S", index, signs), scales, super_scales=fp16(blocks, 0))
 
 
 def _decode_iq3_xxs(blocks: torch.Tensor) -> Decoded:
@@ -117,8 +119,7 @@ def _decode_iq3_xxs(blocks: torch.Tensor) -> Decoded:
     n = blocks.shape[0]
     words = _words(blocks, 66, 98, 4)
     signs = _sign_bits(_bits(words, 7, 4).reshape(n, 32))
-    scales = _half_step_scales(fp16(blocks, 0), words >> 28, 0.5)
-    return Decoded(_lattice("IQ3_XXS", blocks[:, 2:66].long(), signs), scales)
+    return Decoded(_lattice("IQ3_XXS", blocks[:, 2:66].long(), signs), _odd(words >> 28), super_scales=fp16(blocks, 0))
 
 
 def _decode_iq3_s(blocks: torch.Tensor) -> Decoded:
@@ -126,8 +127,8 @@ def _decode_iq3_s(blocks: torch.Tensor) -> Decoded:
     n = blocks.shape[0]
     index = blocks[:, 2:66].long() | (_bits(blocks[:, 66:74], 1, 8).reshape(n, 64) << 8)
     signs = _bits(blocks[:, 74:106], 1, 8).reshape(n, 256)
-    scales = fp16(blocks, 0).float() * (1 + 2 * _bits(blocks[:, 106:110], 4, 2).reshape(n, 8)).float()
-    return Decoded(_lattice("IQ3_S", index, signs), scales)
+    scales = _odd(_bits(blocks[:, 106:110], 4, 2).reshape(n, 8))
+    return Decoded(_lattice("IQ3_S", index, signs), scales, super_scales=fp16(blocks, 0))
 
 
 def _iq1_codes(index: torch.Tensor, negative_delta: torch.Tensor) -> torch.Tensor:
@@ -143,8 +144,7 @@ def _decode_iq1_s(blocks: torch.Tensor) -> Decoded:
     qh = _words(blocks, 34, 50, 2)
     index = blocks[:, 2:34].long() | (_bits(qh, 3, 4).reshape(n, 32) << 8)
     negative = ((qh >> 15) & 1).repeat_interleave(4, dim=1)
-    scales = fp16(blocks, 0).float() * (2 * ((qh >> 12) & 7) + 1).float()
-    return Decoded(_iq1_codes(index, negative), scales)
+    return Decoded(_iq1_codes(index, negative), _odd((qh >> 12) & 7), super_scales=fp16(blocks, 0))
 
 
 def _decode_iq1_m(blocks: torch.Tensor) -> Decoded:
@@ -156,8 +156,7 @@ def _decode_iq1_m(blocks: torch.Tensor) -> Decoded:
     packed = _words(blocks, 48, 56, 2)
     d_bits = ((packed >> 12) << torch.tensor([0, 4, 8, 12])).sum(dim=1)
     d = torch.from_numpy(d_bits.numpy().astype(np.uint16).view(np.float16)).unsqueeze(1)
-    scales = d.float() * (2 * _bits(packed, 3, 4).reshape(n, 16) + 1).float()
-    return Decoded(_iq1_codes(index, qh >> 3), scales)
+    return Decoded(_iq1_codes(index, qh >> 3), _odd(_bits(packed, 3, 4).reshape(n, 16)), super_scales=d)
 
 
 def _decode_iq4_nl(blocks: torch.Tensor) -> Decoded:
@@ -196,15 +195,16 @@ def _decode_tq2_0(blocks: torch.Tensor) -> Decoded:
     return Decoded(codes.to(torch.uint8), fp16(blocks, 64))
 
 
-# Lattice and IQ4 types: codebook form (no zero point); TQ: linear, zero point 1.
+# Lattice and IQ4 types: codebook form (no zero point); TQ: linear, zero point 1. The
+# codebook units are ggml's sub-scale step halved: (0.5 + s) * step = (2s + 1) * step / 2.
 IQ_TYPES: dict[int, BlockType] = {
-    IQ2_XXS: BlockType(256, 66, 4, 32, None, torch.float32, _decode_iq2_xxs, _signed_codebook("IQ2_XXS")),
-    IQ2_XS: BlockType(256, 74, 4, 16, None, torch.float32, _decode_iq2_xs, _signed_codebook("IQ2_XS")),
-    IQ2_S: BlockType(256, 82, 4, 16, None, torch.float32, _decode_iq2_s, _signed_codebook("IQ2_S")),
-    IQ3_XXS: BlockType(256, 98, 4, 32, None, torch.float32, _decode_iq3_xxs, _signed_codebook("IQ3_XXS")),
-    IQ3_S: BlockType(256, 110, 4, 32, None, torch.float32, _decode_iq3_s, _signed_codebook("IQ3_S")),
-    IQ1_S: BlockType(256, 50, 4, 32, None, torch.float32, _decode_iq1_s, _IQ1_CODEBOOK),
-    IQ1_M: BlockType(256, 56, 4, 16, None, torch.float32, _decode_iq1_m, _IQ1_CODEBOOK),
+    IQ2_XXS: BlockType(256, 66, 4, 32, None, torch.int8, _decode_iq2_xxs, _signed_codebook("IQ2_XXS", 0.125)),
+    IQ2_XS: BlockType(256, 74, 4, 16, None, torch.int8, _decode_iq2_xs, _signed_codebook("IQ2_XS", 0.125)),
+    IQ2_S: BlockType(256, 82, 4, 16, None, torch.int8, _decode_iq2_s, _signed_codebook("IQ2_S", 0.125)),
+    IQ3_XXS: BlockType(256, 98, 4, 32, None, torch.int8, _decode_iq3_xxs, _signed_codebook("IQ3_XXS", 0.25)),
+    IQ3_S: BlockType(256, 110, 4, 32, None, torch.int8, _decode_iq3_s, _signed_codebook("IQ3_S", 1.0)),
+    IQ1_S: BlockType(256, 50, 4, 32, None, torch.int8, _decode_iq1_s, _IQ1_CODEBOOK),
+    IQ1_M: BlockType(256, 56, 4, 16, None, torch.int8, _decode_iq1_m, _IQ1_CODEBOOK),
     IQ4_NL: BlockType(32, 18, 4, 32, None, torch.float16, _decode_iq4_nl, IQ4_VALUES),
     IQ4_XS: BlockType(256, 136, 4, 32, None, torch.int8, _decode_iq4_xs, IQ4_VALUES),
     TQ1_0: BlockType(256, 54, 2, 256, 1, torch.float16, _decode_tq1_0),
