@@ -80,6 +80,8 @@ def _dequantize_tile(
         q = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0xF
     else:
         q = tl.load(codes_cols + ks[:, None] * stride_ck, mask=mask, other=0)
+    if not HAS_CODEBOOK:
+        q = q.to(tl.float32)
 
     # Group of each input: a scalar when the whole tile lies in one group (one
     # scale per output column), else per input (several whole groups per tile).
@@ -89,23 +91,23 @@ def _dequantize_tile(
     else:
         g = ks[:, None] // GROUP_SIZE
     scale = tl.load(scales_cols + g * stride_sg, mask=mask, other=0.0).to(tl.float32)
+    if not HAS_CODEBOOK:
+        offset = tl.load(offsets_cols + g * stride_zg, mask=mask, other=0).to(tl.float32)
     if HAS_SUPER:
         # Two-level scales: the same fp32 product the reference forms per group.
         sg = g // GROUPS_PER_SUPER
         scale = tl.load(super_scales_cols + sg * stride_ssg, mask=mask, other=0.0).to(tl.float32) * scale
+        if not HAS_ZEROS and not HAS_CODEBOOK:
+            offset = tl.load(super_mins_cols + sg * stride_smg, mask=mask, other=0.0).to(tl.float32) * offset
     # Dequantize in fp32 exactly as the reference does; the caller rounds once to x's dtype.
     if HAS_CODEBOOK:
         # A gather from a table of at most 16 floats, which stays in L1. Masked columns
         # look up code 0 under scale 0.
         w = scale * tl.load(codebook_ptr + q.to(tl.int32))
+    elif HAS_ZEROS:
+        w = scale * (q - offset)
     else:
-        offset = tl.load(offsets_cols + g * stride_zg, mask=mask, other=0).to(tl.float32)
-        if HAS_SUPER and not HAS_ZEROS:
-            offset = tl.load(super_mins_cols + sg * stride_smg, mask=mask, other=0.0).to(tl.float32) * offset
-        if HAS_ZEROS:
-            w = scale * (q.to(tl.float32) - offset)
-        else:
-            w = scale * q.to(tl.float32) - offset
+        w = scale * q - offset
     return w
 
 
