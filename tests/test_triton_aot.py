@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for real GPUs (sm_80, sm_86, sm_89, sm_90) at the tiles its
 dispatcher chooses for real model shapes, with no register spills and within each target's
 shared memory: scripts/triton_aot.py --quick, in a process without the interpreter (which
-accepts programs a real compiler rejects). The full sweep (716 programs) is the same script
+accepts programs a real compiler rejects). The full sweep (932 programs) is the same script
 without --quick; its table is in docs/gpu.md."""
 
 from __future__ import annotations
