@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
+    "OutputFormat": ".engine.structured_output",
 }
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from .engine.engine import Engine
     from .engine.output_processor import RequestOutput
     from .engine.sampling_params import SamplingParams
+    from .engine.structured_output import OutputFormat
     from .errors import LocalserveError
     from .llm import LLM
 
@@ -29,4 +31,5 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "LocalserveError", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "Engine", "EngineConfig", "LocalserveError", "OutputFormat", "RequestOutput", "SamplingParams",
+           "__version__"]

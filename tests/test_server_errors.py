@@ -95,7 +95,9 @@ BAD_REQUESTS = [
     ("chat", with_fields(CHAT, model=_DROP), 400, "model"),
     ("completion", with_fields(COMPLETION, prompt=_DROP), 400, "prompt"),
     ("chat", with_fields(CHAT, model="nope"), 404, "model"),
-    ("chat", with_fields(CHAT, response_format={"type": "json_object"}), 400, "response_format.type"),
+    ("chat", with_fields(CHAT, response_format={"type": "xml"}), 400, "response_format.type"),
+    ("chat", with_fields(CHAT, response_format={"type": "json_schema", "json_schema": {"schema": {"type": 5}}}), 400,
+     None),  # a schema llguidance cannot compile
 ]
 
 

@@ -27,6 +27,7 @@ from .runner import ModelRunner, RunnerOutput, warmup_token_counts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledBatch
 from .stats import EngineStats
+from .structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class Engine:
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set()
         )
+        self.structured = StructuredOutputs(self.tokenizer, spec.vocab_size, self.eos_token_ids) \
+            if self.tokenizer is not None else None
+        self.runner.structured = self.structured
         self.num_prompt_tokens_total = 0
         self.num_generated_tokens_total = 0
         self.num_finished_requests = 0
@@ -179,6 +183,10 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator)
+        if params.output_format is not None:
+            if self.structured is None:
+                raise LocalserveError("structured output needs the model's tokenizer (this one has none)")
+            request.constraint = self.structured.constraint(params.output_format)
         self.requests[request_id] = request
         self.outputs.add(request)
         self.scheduler.add(request)

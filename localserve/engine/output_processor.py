@@ -92,6 +92,9 @@ class OutputProcessor:
         params = request.params
         piece = text.detokenizer.add(token) if text.detokenizer is not None else ""
         text.decoded += piece
+        constraint = request.constraint
+        if constraint is not None and (not constraint.accept(token) or constraint.finished):
+            return "stop"  # the grammar is complete (or the token left it: an EOS it was told to ignore)
         if request.num_output_tokens < params.min_tokens:
             return None  # the sampler already kept EOS and stop tokens out
         if piece and params.stop and self._cut_stop_string(request, text):

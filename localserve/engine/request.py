@@ -10,6 +10,7 @@ import torch
 
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
+from .structured_output import Constraint
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +44,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+    constraint: Constraint | None = None  # where a structured output's grammar stands
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -13,6 +13,7 @@ from .request import Request
 from .sampling_params import SamplingParams
 from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
 from .scheduler import ScheduledBatch
+from .structured_output import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -139,6 +140,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None  # set once captured (on CUDA)
+        self.structured: StructuredOutputs | None = None  # set by the engine when the model has a tokenizer
 
     def warm_up(self, token_counts: list[int]) -> None:
         """Run a one-sequence step of each size, so the kernels they need are compiled
@@ -159,6 +161,8 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch) -> RunnerOutput:
         bucket = self.graphs.padded_size(batch.num_new_tokens) if self.graphs else None
         inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=bucket)
+        # Structured outputs' masks are worked out on another thread while the model runs.
+        masks = self.structured.masks([r.constraint for r in inputs.to_sample]) if self.structured else None
         if bucket is not None:
             hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:
@@ -184,5 +188,5 @@ class ModelRunner:
                 )
                 for r in inputs.to_sample
             ]
-            sampler_output = self.sampler(logits[:num_sampled], rows)
+            sampler_output = self.sampler(logits[:num_sampled], rows, masks.result() if masks else None)
         return RunnerOutput(inputs.to_sample, sampler_output, prompt_logprobs)

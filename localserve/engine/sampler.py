@@ -1,6 +1,6 @@
 """Turns one step's logits into the next token of every request in the batch.
 
-Order (as in vLLM/HF/OpenAI): min_tokens suppression -> repetition penalty ->
+Order (as in vLLM/HF/OpenAI): a structured output's grammar mask -> min_tokens suppression -> repetition penalty ->
 presence/frequency penalties -> logit bias -> greedy argmax, or temperature -> top_k ->
 top_p -> min_p -> sample. Logprobs are reported from the raw logits, before any of that.
 Nothing sorts the vocabulary: top_k takes a partial top-k, top_p tests drawn tokens
@@ -15,6 +15,7 @@ from itertools import chain
 import torch
 
 from .sampling_params import SamplingParams
+from .structured_output import allowed_tokens
 
 _NEG_INF = float("-inf")
 
@@ -90,12 +91,15 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Stateless; per-request state (history, RNG) arrives in the rows."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> SamplerOutput:
+        """``grammar_masks``: the rows held to a structured output and their bitmasks of
+        allowed tokens (``StructuredOutputs.masks``)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if not rows:
             return SamplerOutput([], [])
-        penalized = self.penalized_logits(logits, rows)
+        penalized = self.penalized_logits(logits, rows, grammar_masks)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         if len(greedy) == len(rows):
             token_ids = penalized.argmax(dim=-1)
@@ -117,13 +121,21 @@ class Sampler:
                 logprobs[i] = lp
         return SamplerOutput(ids, logprobs)
 
-    def penalized_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """float32 copy of `logits` after min_tokens suppression, the three penalties and the logit bias.
+    def penalized_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                         grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """float32 copy of `logits` after the grammar masks, min_tokens suppression, the three
+        penalties and the logit bias.
 
         This is what greedy rows take the argmax of; the input is never modified.
         """
         logits = logits.to(torch.float32, copy=True)
         device, vocab = logits.device, logits.shape[1]
+
+        # Structured outputs: what the grammar does not allow is out, whatever comes after.
+        if grammar_masks is not None:
+            masked, bitmask = grammar_masks
+            allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab)
+            logits[masked] = logits[masked].masked_fill(~allowed, _NEG_INF)
 
         # min_tokens: ban EOS and stop tokens so the request cannot end too early.
         banned = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import LocalserveError
+from .structured_output import OutputFormat
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
+    output_format: OutputFormat | None = None  # structured output: what the text must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

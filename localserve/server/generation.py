@@ -66,6 +66,7 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
         prompt_logprobs=body.wanted_prompt_logprobs(),
         skip_special_tokens=body.skip_special_tokens,
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
+        output_format=body.output_format(),
     )
 
 

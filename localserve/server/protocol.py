@@ -7,10 +7,12 @@ ignored, as OpenAI and vLLM do. Every list and string a client sends is bounded.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..engine.structured_output import OutputFormat
 from .model_manager import parse_keep_alive
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -42,6 +44,50 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_CHOICES = 1024
+JsonSchema = Annotated[dict[str, Any], Field(max_length=4096)]
+Choices = Annotated[list[Annotated[str, Field(min_length=1, max_length=4096)]], Field(min_length=1,
+                                                                                      max_length=MAX_CHOICES)]
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(max_length=256)] = "response"
+    description: Annotated[str, Field(max_length=4096)] | None = None
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format json_schema needs its json_schema object, and only it")
+        return self
+
+
+class StructuredOutputsField(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: JsonSchema | Text | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Annotated[str, Field(max_length=65536)] | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputsField:
+        given = [v for v in (self.json_, self.json_object or None, self.regex, self.choice, self.grammar)
+                 if v is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar")
+        return self
+
+
 class SamplingFields(_Strict):
     """Fields shared by chat and text completions."""
 
@@ -70,6 +116,13 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     keep_alive: KeepAlive = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: JsonSchema | Text | None = None
+    guided_regex: Annotated[str, Field(max_length=65536)] | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -83,7 +136,49 @@ class SamplingFields(_Strict):
     def _stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
+        if len(self._output_formats()) > 1:
+            raise ValueError("give one of response_format, structured_outputs and guided_*")
         return self
+
+    def _output_formats(self) -> list[OutputFormat]:
+        found = []
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = self.response_format.json_schema
+            found.append(OutputFormat("json", schema.schema_) if schema else OutputFormat("json_object"))
+        if (so := self.structured_outputs) is not None:
+            if so.json_ is not None:
+                found.append(OutputFormat("json", _schema(so.json_)))
+            elif so.json_object:
+                found.append(OutputFormat("json_object"))
+            elif so.regex is not None:
+                found.append(OutputFormat("regex", so.regex))
+            elif so.choice is not None:
+                found.append(OutputFormat("choice", so.choice))
+            else:
+                found.append(OutputFormat("grammar", so.grammar))
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                            ("grammar", self.guided_grammar)):
+            if value is not None:
+                found.append(OutputFormat(kind, _schema(value) if kind == "json" else value))
+        return found
+
+    def output_format(self) -> OutputFormat | None:
+        """What the output must match, from whichever field the client used."""
+        found = self._output_formats()
+        return found[0] if found else None
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text."""
+    if isinstance(value, dict):
+        return value
+    try:
+        schema = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the JSON schema is not JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema is an object")
+    return schema
 
 
 class TextPart(_Strict):
@@ -110,17 +205,12 @@ class ChatMessage(_Strict):
         return self.content
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
