@@ -20,6 +20,7 @@ from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
 from . import generation as gen
+from .chat_messages import render_messages
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import state_of
@@ -76,9 +77,10 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 
 def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool,
                  continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
-    plain = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
-    model.check_prompt_chars(sum(len(m["content"] or "") for m in plain))
-    text = model.chat_template().render(plain, add_generation_prompt=add_generation_prompt, tools=tools)
+    model.check_prompt_chars(sum(len(m.text() or "") for m in messages))
+    template = model.chat_template()
+    text = render_messages(messages, lambda plain, **how: template.render(
+        plain, add_generation_prompt=add_generation_prompt, tools=tools, **how))
     if continue_final_message:
         # The reply continues the final assistant message: drop what the template
         # appends after its content (end-of-turn tokens).

@@ -501,19 +501,22 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None,
-               documents: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
+               documents: Sequence[Mapping[str, Any]] | None = None, keep_null_content: bool = False,
+               **extra: Any) -> str:
         """The prompt text for `messages` (OpenAI-style dicts with "role", "content", ...).
 
         `tools` are JSON-schema function specs, `documents` RAG documents, `extra` further
         template variables (`enable_thinking=False`, ...; they may override special tokens).
         Keys whose value is None are dropped from each message first, as transformers does,
-        since templates test for missing keys rather than for null (`tool_calls: null`).
+        since templates test for missing keys rather than for null (`tool_calls: null`);
+        with `keep_null_content`, a null content stays (for templates that test `is none`).
         """
         counter = _Counter()
         chat = _plain_dicts(messages, "messages", counter)
         if not chat:
             raise LocalserveError("cannot render a chat template for an empty conversation")
-        chat = [{key: value for key, value in message.items() if value is not None}
+        chat = [{key: value for key, value in message.items()
+                 if value is not None or (keep_null_content and key == "content")}
                 for message in chat]
         variables: dict[str, Any] = dict(self.special_tokens)
         variables.update(_plain(dict(extra), "template variables", counter))

@@ -1,0 +1,67 @@
+"""OpenAI chat messages as chat templates expect them.
+
+Two things differ between what an OpenAI client sends and what templates were written for
+(the HF-style dicts transformers passes):
+
+- an assistant turn's ``tool_calls[].function.arguments`` is a JSON *string* on the wire,
+  while templates print it with ``| tojson`` (Llama 3.1, DeepSeek, Hermes, Qwen): a string
+  would come out encoded twice. It is parsed into its object first, as vLLM does (text
+  that is not a JSON object is left as it is);
+- an assistant turn that only calls tools has ``content: null``. transformers drops null
+  keys before rendering, and most templates are written for that; some test for null
+  instead (DeepSeek-R1: ``content is not none``, then ``'...' + content``), others
+  concatenate it whatever it is (Phi-3.5: ``content + '<|end|>'``). So a conversation is
+  rendered as transformers renders it; if the template fails, with null content kept; if
+  it fails again, with ``""`` in its place.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import LocalserveError
+from .protocol import ChatMessage
+
+
+def template_messages(messages: list[ChatMessage], empty_content: bool = False) -> list[dict[str, Any]]:
+    """The messages as plain dicts for a template; ``empty_content``: ``""`` for null content."""
+    plain = []
+    for message in messages:
+        entry = {**message.model_dump(exclude_none=True), "content": message.text()}
+        if empty_content and entry["content"] is None:
+            entry["content"] = ""
+        if message.tool_calls:
+            entry["tool_calls"] = [_parsed_arguments(call) for call in message.tool_calls]
+        plain.append(entry)
+    return plain
+
+
+def render_messages(messages: list[ChatMessage], render: Callable[..., str]) -> str:
+    """``render(plain_messages, keep_null_content=...)`` the messages, trying the ways null
+    content can be given (above) in turn while the template fails on them."""
+    # (null content as "", keep_null_content)
+    ways = [(False, False)]
+    if any(message.content is None for message in messages):
+        ways += [(False, True), (True, False)]
+    for attempt, (empty, keep_null) in enumerate(ways, 1):
+        try:
+            return render(template_messages(messages, empty_content=empty), keep_null_content=keep_null)
+        except LocalserveError:
+            if attempt == len(ways):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
