@@ -26,15 +26,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def stories_with_template(root: Path) -> Path:
+def stories_with_template(root: Path, template: str = CHAT_TEMPLATE, name: str = "stories") -> Path:
     """stories260K-hf copied from ../shared (1.2 MB; a folder of links out of itself is
     refused by pull) with a chat template added."""
-    folder = root / "stories"
+    folder = root / name
     folder.mkdir()
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
         shutil.copyfile(STORIES_HF / name, folder / name)
     config = json.loads((STORIES_HF / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return folder
 
 

@@ -20,6 +20,7 @@ from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
 from . import generation as gen
+from . import reasoning
 from .chat_messages import render_messages
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -76,11 +77,13 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 # -- chat completions ---------------------------------------------------------------------
 
 def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool,
-                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                 continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                 variables: dict[str, Any] | None = None) -> str:
+    """The prompt text; ``variables``: further template variables (``enable_thinking``, ...)."""
     model.check_prompt_chars(sum(len(m.text() or "") for m in messages))
     template = model.chat_template()
     text = render_messages(messages, lambda plain, **how: template.render(
-        plain, add_generation_prompt=add_generation_prompt, tools=tools, **how))
+        plain, add_generation_prompt=add_generation_prompt, tools=tools, **(variables or {}), **how))
     if continue_final_message:
         # The reply continues the final assistant message: drop what the template
         # appends after its content (end-of-turn tokens).
@@ -88,17 +91,26 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
         end = text.rfind(final)
         if end >= 0:
             text = text[: end + len(final)]
-    # The template writes BOS itself where the model wants it.
-    return model.encode(text, add_special_tokens=False)
+    return text
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-    def prompts(model: LoadedModel) -> list[list[int]]:
-        return [_render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
-                             body.tools)]
+    opens_thinking = False
 
-    return await _generate(request, body, prompts, lambda model, choices: _ChatShaper(model, body, choices))
+    def prompts(model: LoadedModel) -> list[list[int]]:
+        nonlocal opens_thinking
+        text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
+                            body.tools, body.template_variables())
+        opens_thinking = reasoning.starts_inside(text)
+        # The template writes BOS itself where the model wants it.
+        return [model.encode(text, add_special_tokens=False)]
+
+    def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
+        thinks = reasoning.thinks(model.chat_template().source)
+        return _ChatShaper(model, body, choices, opens_thinking if thinks else None)
+
+    return await _generate(request, body, prompts, shaper)
 
 
 async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
@@ -170,9 +182,19 @@ class _ChatShaper(_Shaper):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice]) -> None:
+    def __init__(self, model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice],
+                 opens_thinking: bool | None) -> None:
+        """``opens_thinking``: None for a model that does not think in ``<think>`` blocks,
+        else whether its output starts inside one."""
         super().__init__(model, body, choices)
         self.body = body
+        self.opens_thinking = opens_thinking
+
+    def message(self, text: str) -> dict[str, Any]:
+        if self.opens_thinking is None:
+            return {"role": "assistant", "content": text}
+        thinking, answer = reasoning.split(text, self.opens_thinking)
+        return {"role": "assistant", "content": answer, "reasoning_content": thinking}
 
     def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
         return _chat_logprobs(self.model, logprobs) if self.body.logprobs else None
@@ -183,7 +205,7 @@ class _ChatShaper(_Shaper):
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return {
             "id": self.response_id, "object": "chat.completion", "created": self.created, "model": self.model_name,
-            "choices": [{"index": choice.index, "message": {"role": "assistant", "content": output.text},
+            "choices": [{"index": choice.index, "message": self.message(output.text),
                          "logprobs": self.logprobs(output.logprobs or []), "finish_reason": output.finish_reason}
                         for choice, output in zip(self.choices, outputs)],
             "usage": self.usage(outputs),
@@ -194,18 +216,30 @@ class _ChatShaper(_Shaper):
             yield self.chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])
         sent = [_Sent() for _ in self.choices]
+        splitters = [None if self.opens_thinking is None else reasoning.ReasoningSplitter(inside=self.opens_thinking)
+                     for _ in self.choices]
         finals: list[RequestOutput] = []
         async for index, output in outputs:
             choice = self.choices[index]
-            text, new_logprobs = output.delta, sent[index].advance(output)
+            new_logprobs = sent[index].advance(output)
+            delta = self.delta(splitters[index], output.delta, output.finished)
             if output.finished:
                 finals.append(output)
-            if text or output.finished or new_logprobs:
-                yield self.chunk([{"index": choice.index, "delta": {"content": text} if text else {},
-                                   "logprobs": self.logprobs(new_logprobs),
+            if delta or output.finished or new_logprobs:
+                yield self.chunk([{"index": choice.index, "delta": delta, "logprobs": self.logprobs(new_logprobs),
                                    "finish_reason": output.finish_reason if output.finished else None}])
         if self.include_usage:
             yield self.chunk([], self.usage(finals))
+
+    @staticmethod
+    def delta(splitter: reasoning.ReasoningSplitter | None, text: str, finished: bool) -> dict[str, str]:
+        if splitter is None:
+            return {"content": text} if text else {}
+        thinking, answer = splitter.feed(text)
+        if finished:
+            more_thinking, more_answer = splitter.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        return {**({"reasoning_content": thinking} if thinking else {}), **({"content": answer} if answer else {})}
 
 
 class _Sent:
@@ -365,7 +399,8 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     model = await _acquire(request, body.model)
     try:
         if body.messages is not None:
-            tokens = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
+            text = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
+            tokens = model.encode(text, add_special_tokens=False)
         else:
             tokens = await asyncio.to_thread(model.encode, body.prompt or "", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}

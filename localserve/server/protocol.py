@@ -211,8 +211,19 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
+    # Template variables: vLLM's chat_template_kwargs ({"enable_thinking": false}), OpenAI's reasoning_effort
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_names(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = set(kwargs or {}) & {"messages", "tools", "documents", "add_generation_prompt", "keep_null_content"}
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(sorted(taken))}: give them as fields")
+        return kwargs
 
     @model_validator(mode="after")
     def _logprob_fields(self) -> ChatCompletionRequest:
@@ -225,6 +236,12 @@ class ChatCompletionRequest(SamplingFields):
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_variables(self) -> dict[str, Any]:
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        return variables
 
     def wanted_logprobs(self) -> int | None:
         """Alternatives per output token for the engine (None: no logprobs)."""

@@ -1,0 +1,95 @@
+"""Reasoning split from the answer for ``<think>`` models: the splitter on its own
+(streamed in pieces of every size equals split whole), and through the openai SDK on the
+stories260K model given a thinking template, its output steered by a regex so that it
+writes a think block (a story model never would)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from localserve.server.config import ServerConfig
+from localserve.server.reasoning import ReasoningSplitter, split, starts_inside, thinks
+
+from .conftest import STORIES_HF
+from .server_util import running_server, small_engine_config, stories_with_template
+
+TEXTS = [
+    ("<think>\nLet me see.</think>\n\nIt is 4.", False, ("\nLet me see.", "\n\nIt is 4.")),
+    ("Let me see.</think>It is 4.", True, ("Let me see.", "It is 4.")),
+    ("It is 4.", False, (None, "It is 4.")),
+    ("Still thinking <thi", True, ("Still thinking <thi", "")),  # cut off by max_tokens
+    ("a < b </thin", True, ("a < b </thin", "")),
+    ("x</think>y</think>z", True, ("x", "y</think>z")),  # one block; the answer may quote the tag
+]
+
+
+@pytest.mark.parametrize("text,inside,expected", TEXTS)
+def test_split_and_streamed_split_agree(text: str, inside: bool, expected: tuple) -> None:
+    assert split(text, inside) == expected
+    for size in range(1, len(text) + 1):
+        splitter, thinking, answer = ReasoningSplitter(inside=inside), "", ""
+        for start in range(0, len(text), size):
+            more = splitter.feed(text[start:start + size])
+            thinking, answer = thinking + more[0], answer + more[1]
+        more = splitter.finish()
+        assert (thinking + more[0], answer + more[1]) == (expected[0] or "", expected[1]), size
+
+
+def test_template_detection() -> None:
+    assert thinks("{{ content.split('</think>')[-1] }}") and not thinks("{{ content }}")
+    assert starts_inside("<|Assistant|><think>\n") and not starts_inside("<think>\n\n</think>\n\n")
+
+
+# DeepSeek-R1's way: the generation prompt opens the block, unless enable_thinking is false
+# (then it writes an empty one, as Qwen3's does).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}{# </think> #}"
+)
+STEER = {"guided_regex": r"[a-z]{3,12}</think>\n\n[A-Z][a-z]{2,8}\."}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    if not STORIES_HF.is_dir():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    path = stories_with_template(tmp_path_factory.mktemp("models"), THINKING_TEMPLATE)
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
+    with running_server(config) as running:
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
+                            max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+def test_reasoning_content_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=40,
+                                           extra_body=STEER)
+    message = whole.choices[0].message
+    thinking, answer = message.model_extra["reasoning_content"], message.content
+    assert thinking.isalpha() and answer.startswith("\n\n") and answer.endswith(".")
+    stream = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=40,
+                                            extra_body=STEER, stream=True)
+    pieces = {"reasoning_content": "", "content": ""}
+    for chunk in stream:
+        for choice in chunk.choices:
+            pieces["content"] += choice.delta.content or ""
+            pieces["reasoning_content"] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+    assert pieces == {"reasoning_content": thinking, "content": answer}
+
+
+def test_thinking_turned_off_through_chat_template_kwargs(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=8,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    assert message.content and message.model_extra["reasoning_content"] is None
+
+
+def test_reserved_template_variables_are_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(model="stories", messages=MESSAGES, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
