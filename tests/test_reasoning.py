@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from localserve.server.config import ServerConfig
-from localserve.server.reasoning import ReasoningSplitter, split, starts_inside, thinks
+from localserve.server.chat_reply import ReplyFormat, whole
+from localserve.server.reasoning import ReasoningSplitter, starts_inside, thinks
 
 from .conftest import STORIES_HF
 from .server_util import running_server, small_engine_config, stories_with_template
@@ -26,7 +27,8 @@ TEXTS = [
 
 @pytest.mark.parametrize("text,inside,expected", TEXTS)
 def test_split_and_streamed_split_agree(text: str, inside: bool, expected: tuple) -> None:
-    assert split(text, inside) == expected
+    message, calls = whole(ReplyFormat(opens_thinking=inside), text)
+    assert (message["reasoning_content"], message["content"]) == expected and not calls
     for size in range(1, len(text) + 1):
         splitter, thinking, answer = ReasoningSplitter(inside=inside), "", ""
         for start in range(0, len(text), size):

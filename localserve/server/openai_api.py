@@ -20,7 +20,8 @@ from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
 from . import generation as gen
-from . import reasoning
+from . import chat_reply, reasoning, tool_calls
+from .chat_reply import ReplyFormat
 from .chat_messages import render_messages
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -107,8 +108,14 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         return [model.encode(text, add_special_tokens=False)]
 
     def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
-        thinks = reasoning.thinks(model.chat_template().source)
-        return _ChatShaper(model, body, choices, opens_thinking if thinks else None)
+        template = model.chat_template()
+        forced = body.forced_tools()
+        parser = None
+        if body.tools and body.tool_choice in (None, "auto"):
+            parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or ""))
+        reply_format = ReplyFormat(opens_thinking if reasoning.thinks(template.source) else None, parser,
+                                   forced is not None, forced[1] if forced else None)
+        return _ChatShaper(model, body, choices, reply_format)
 
     return await _generate(request, body, prompts, shaper)
 
@@ -183,18 +190,18 @@ class _ChatShaper(_Shaper):
     id_prefix = "chatcmpl"
 
     def __init__(self, model: LoadedModel, body: ChatCompletionRequest, choices: list[gen.Choice],
-                 opens_thinking: bool | None) -> None:
-        """``opens_thinking``: None for a model that does not think in ``<think>`` blocks,
-        else whether its output starts inside one."""
+                 reply_format: ReplyFormat) -> None:
         super().__init__(model, body, choices)
         self.body = body
-        self.opens_thinking = opens_thinking
+        self.reply_format = reply_format
 
-    def message(self, text: str) -> dict[str, Any]:
-        if self.opens_thinking is None:
-            return {"role": "assistant", "content": text}
-        thinking, answer = reasoning.split(text, self.opens_thinking)
-        return {"role": "assistant", "content": answer, "reasoning_content": thinking}
+    def choice(self, choice: gen.Choice, output: RequestOutput) -> dict[str, Any]:
+        fields, calls = chat_reply.whole(self.reply_format, output.text)
+        message = {"role": "assistant", **fields}
+        if calls:
+            message["tool_calls"] = [call.to_openai(tool_calls.new_call_id()) for call in calls]
+        return {"index": choice.index, "message": message, "logprobs": self.logprobs(output.logprobs or []),
+                "finish_reason": _finish_reason(output, calls)}
 
     def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
         return _chat_logprobs(self.model, logprobs) if self.body.logprobs else None
@@ -205,9 +212,7 @@ class _ChatShaper(_Shaper):
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         return {
             "id": self.response_id, "object": "chat.completion", "created": self.created, "model": self.model_name,
-            "choices": [{"index": choice.index, "message": self.message(output.text),
-                         "logprobs": self.logprobs(output.logprobs or []), "finish_reason": output.finish_reason}
-                        for choice, output in zip(self.choices, outputs)],
+            "choices": [self.choice(choice, output) for choice, output in zip(self.choices, outputs)],
             "usage": self.usage(outputs),
         }
 
@@ -216,30 +221,38 @@ class _ChatShaper(_Shaper):
             yield self.chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None}])
         sent = [_Sent() for _ in self.choices]
-        splitters = [None if self.opens_thinking is None else reasoning.ReasoningSplitter(inside=self.opens_thinking)
-                     for _ in self.choices]
+        replies = [chat_reply.Reply(self.reply_format) for _ in self.choices]
         finals: list[RequestOutput] = []
         async for index, output in outputs:
             choice = self.choices[index]
             new_logprobs = sent[index].advance(output)
-            delta = self.delta(splitters[index], output.delta, output.finished)
+            delta: dict[str, Any] = replies[index].feed(output.delta)
+            calls: list[tool_calls.ToolCall] = []
             if output.finished:
                 finals.append(output)
-            if delta or output.finished or new_logprobs:
+                last, calls = replies[index].finish()
+                for key, value in last.items():
+                    delta[key] = delta.get(key, "") + value
+            if delta or new_logprobs or (output.finished and not calls):
                 yield self.chunk([{"index": choice.index, "delta": delta, "logprobs": self.logprobs(new_logprobs),
-                                   "finish_reason": output.finish_reason if output.finished else None}])
+                                   "finish_reason": output.finish_reason if output.finished and not calls else None}])
+            # As OpenAI streams a call: its id, type and name with empty arguments, then the arguments.
+            for position, call in enumerate(calls):
+                head = {"index": position, "id": tool_calls.new_call_id(), "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}
+                for piece in (head, {"index": position, "function": {"arguments": call.arguments}}):
+                    yield self.chunk([{"index": choice.index, "delta": {"tool_calls": [piece]}, "logprobs": None,
+                                       "finish_reason": None}])
+            if calls:
+                yield self.chunk([{"index": choice.index, "delta": {}, "logprobs": None,
+                                   "finish_reason": _finish_reason(output, calls)}])
         if self.include_usage:
             yield self.chunk([], self.usage(finals))
 
-    @staticmethod
-    def delta(splitter: reasoning.ReasoningSplitter | None, text: str, finished: bool) -> dict[str, str]:
-        if splitter is None:
-            return {"content": text} if text else {}
-        thinking, answer = splitter.feed(text)
-        if finished:
-            more_thinking, more_answer = splitter.finish()
-            thinking, answer = thinking + more_thinking, answer + more_answer
-        return {**({"reasoning_content": thinking} if thinking else {}), **({"content": answer} if answer else {})}
+
+def _finish_reason(output: RequestOutput, calls: list[tool_calls.ToolCall]) -> str | None:
+    """``tool_calls`` when the reply ended on calls, as OpenAI reports it."""
+    return "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
 
 
 class _Sent:

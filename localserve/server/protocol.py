@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.structured_output import OutputFormat
+from ..errors import LocalserveError
+from .tool_calls import forced_format
 from .model_manager import parse_keep_alive
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -205,6 +207,15 @@ class ChatMessage(_Strict):
         return self.content
 
 
+class _FunctionName(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -212,6 +223,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
     # Template variables: vLLM's chat_template_kwargs ({"enable_thinking": false}), OpenAI's reasoning_effort
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     add_generation_prompt: bool = True
@@ -236,6 +249,21 @@ class ChatCompletionRequest(SamplingFields):
 
     def wanted_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def forced_tools(self) -> tuple[OutputFormat, str | None] | None:
+        """For tool_choice required or a named function: the JSON the output is held to
+        and, when one function is named, its name."""
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        try:
+            return forced_format(self.tools, choice, self.parallel_tool_calls)
+        except LocalserveError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def _output_formats(self) -> list[OutputFormat]:
+        forced = self.forced_tools()
+        return [*super()._output_formats(), *([forced[0]] if forced else [])]
 
     def template_variables(self) -> dict[str, Any]:
         variables = dict(self.chat_template_kwargs or {})

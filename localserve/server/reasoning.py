@@ -54,7 +54,7 @@ class ReasoningSplitter:
                 else:
                     self.inside = True
                 continue
-            keep = _partial_tag(text, tag)
+            keep = partial_marker(text, tag)
             (reasoning if self.inside else content).append(text[:len(text) - keep])
             self.held = text[len(text) - keep:]
             break
@@ -66,17 +66,10 @@ class ReasoningSplitter:
         return (held, "") if self.inside and not self.done else ("", held)
 
 
-def split(text: str, inside: bool) -> tuple[str | None, str]:
-    """The whole text as (reasoning or None, content)."""
-    splitter = ReasoningSplitter(inside=inside)
-    reasoning, content = splitter.feed(text)
-    more_reasoning, more_content = splitter.finish()
-    return (reasoning + more_reasoning if splitter.inside else None), content + more_content
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag``."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
+def partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (what a stream
+    holds back until the next piece shows whether the marker is there)."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
             return length
     return 0

@@ -1,0 +1,175 @@
+"""Tool calls: each family's format read from replies written as the family documents them
+(and malformed ones left as content), streamed in pieces of every size equal to read whole;
+through the openai SDK (strict validation) on the stories260K model with a short Hermes-style
+tool template (its 512-token context cannot hold Hermes-3's own): ``required`` and named
+choices give schema-valid arguments (jsonschema), streamed as OpenAI streams calls, and
+``auto`` reads the model's own <tool_call> blocks."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from localserve.server.config import ServerConfig
+from localserve.server.tool_calls import ToolCallStream, parse, parser_for_template
+
+from .conftest import STORIES_HF
+from .server_util import running_server, small_engine_config, stories_with_template
+from .test_chat_template import TEMPLATES, WEATHER_TOOL
+
+PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
+TIME = ("get_time", {"zone": "CET"})
+
+# (parser, reply, expected content, expected calls)
+REPLIES = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+     None, [PARIS]),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+     "Let me check.\n", [PARIS, TIME]),
+    ("hermes", "It is sunny. No tools needed.", "It is sunny. No tools needed.", []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, "malformed"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [PARIS]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+                    '{"name": "get_time", "parameters": {"zone": "CET"}}', None, [PARIS, TIME]),
+    ("llama3_json", '{"answer": 4} is what I would write.', '{"answer": 4} is what I would write.', []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+                '{"name": "get_time", "arguments": {"zone": "CET"}}]', None, [PARIS, TIME]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None, [PARIS]),
+    ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                 '{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
+                 '<｜tool▁sep｜>get_time\n```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     None, [PARIS, TIME]),
+    ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]', None, [PARIS, TIME]),
+    ("pythonic", "[__import__('os').system('x')]", "[__import__('os').system('x')]", []),  # read, never run
+]
+
+
+@pytest.mark.parametrize("parser,reply,content,calls", REPLIES)
+def test_each_format(parser: str, reply: str, content: str | None, calls) -> None:  # type: ignore[no-untyped-def]
+    got_content, got = parse(parser, reply)
+    if calls == "malformed":
+        assert (got_content, got) == (reply, [])
+        return
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    # Streamed in pieces of every size: the content sent adds up to the same, the calls too.
+    for size in range(1, len(reply) + 1):
+        stream, shown = ToolCallStream(parser), ""
+        for start in range(0, len(reply), size):
+            shown += stream.feed(reply[start:start + size])
+        rest, streamed = stream.finish()
+        assert (shown + rest or None) == (content if got else reply) and streamed == got, size
+
+
+def test_parser_from_template() -> None:
+    hermes = (TEMPLATES / "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+    nemo = (TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja").read_text()
+    assert parser_for_template(hermes) == "hermes" and parser_for_template(nemo) == "mistral"
+    assert parser_for_template((TEMPLATES / "google-gemma-2-2b-it.jinja").read_text()) is None
+
+
+# -- through the API ---------------------------------------------------------------------------------
+
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time in a zone.",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "zone": {"type": "string", "maxLength": 6}},
+                                                  "required": ["zone"], "additionalProperties": False}}}
+# Bounded arguments, so that a story model's calls end well inside max_tokens.
+BOUNDED_WEATHER = {"type": "function", "function": {**WEATHER_TOOL["function"], "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TOOLS = [BOUNDED_WEATHER, TIME_TOOL]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What's the weather in Paris?"}]
+HERMES_STYLE = (
+    "{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}- call one as "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    if not STORIES_HF.is_dir():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    path = stories_with_template(tmp_path_factory.mktemp("models"), HERMES_STYLE)
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
+    with running_server(config) as running:
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
+                            max_retries=0)
+
+
+def check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-def]
+    found = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        found.append((call.function.name, arguments))
+    return found
+
+
+# A story model does not know when to stop adding calls: "required" is asked for one here
+# (parallel_tool_calls false), and for several in the next test.
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_calls_are_schema_valid_whole_and_streamed(client: openai.OpenAI, choice) -> None:  # type: ignore[no-untyped-def]
+    names = {"get_weather", "get_time"} if choice == "required" else {"get_time"}
+    for seed in range(3):
+        reply = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                               temperature=1.0, seed=seed, max_tokens=120, parallel_tool_calls=False)
+        message = reply.choices[0]
+        assert message.finish_reason == "tool_calls" and message.message.content is None
+        whole = check_calls(message.message.tool_calls, names)
+        assert whole
+        stream = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                                temperature=1.0, seed=seed, max_tokens=120, stream=True,
+                                                parallel_tool_calls=False)
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in stream:
+            for part in chunk.choices:
+                finish = part.finish_reason or finish
+                for piece in part.delta.tool_calls or []:
+                    entry = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+                    entry["name"] += piece.function.name or ""
+                    entry["arguments"] += piece.function.arguments or ""
+        assert finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == whole
+
+
+def test_calls_cut_short(client: openai.OpenAI) -> None:
+    """With parallel calls allowed, a story model keeps adding calls until max_tokens: the
+    reply is then the JSON as far as it got, as content, with no calls."""
+    choice = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                            temperature=0, max_tokens=40).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content.startswith('[{"name": "get_')
+
+
+def test_auto_reads_the_models_own_calls(client: openai.OpenAI) -> None:
+    """The reply is steered (a regex) into Hermes' format, then read back as a call."""
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "celsius"\}\}\n</tool_call>'
+    steer = {"guided_regex": f"(Checking\\.\\n)?{call}(\\n{call})?"}
+    reply = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, temperature=0,
+                                           max_tokens=250, extra_body=steer)
+    calls = check_calls(reply.choices[0].message.tool_calls, {"get_weather"})
+    assert calls and all(c[1]["unit"] == "celsius" for c in calls) and reply.choices[0].finish_reason == "tool_calls"
+    plain = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, temperature=0,
+                                           max_tokens=12)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
+
+
+def test_bad_tool_choices_are_400s(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, max_tokens=4,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="one of"):
+        client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, max_tokens=4,
+                                       tool_choice="required", response_format={"type": "json_object"})
