@@ -133,3 +133,28 @@ def test_show_template_license_and_files(home: Path) -> None:
     assert "template      none" in text and "stories260K.gguf  weights  1185376 bytes" in text
     missing = runner.invoke(main, ["show", "nothing"])
     assert missing.exit_code == 1 and "not in the registry" in missing.output
+
+
+def test_run_answers_in_json_in_process_and_through_the_daemon(home: Path) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad"]},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["mood", "score"], "additionalProperties": False}
+    path = home / "schema.json"
+    path.write_text(json.dumps(schema))
+    args = ["run", "chatty", "How are you?", "--max-tokens", "40", "--schema", str(path)]
+    local = cli(home, NO_DAEMON).invoke(main, [*args, "--kv-cache-memory", "64MiB", "--device", "cpu"])
+    assert local.exit_code == 0, local.output
+    jsonschema.validate(json.loads(local.output), schema)
+    anything = cli(home, NO_DAEMON).invoke(main, ["run", "chatty", "How are you?", "--max-tokens", "6", "--format",
+                                                  "json", "--kv-cache-memory", "64MiB", "--device", "cpu"])
+    assert anything.exit_code == 0 and anything.output.startswith("{"), anything.output
+    with running_server(daemon_config(home)) as server:
+        remote = cli(home, server.url).invoke(main, args)
+        assert remote.exit_code == 0, remote.output
+        assert remote.output == local.output
+    bad = cli(home, NO_DAEMON).invoke(main, ["run", "chatty", "hi", "--schema", str(home / "nowhere.json")])
+    assert bad.exit_code != 0 and "nowhere.json" in bad.output

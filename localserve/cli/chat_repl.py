@@ -22,7 +22,8 @@ import math
 import re
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..errors import LocalserveError
 
@@ -66,6 +67,9 @@ class ChatSettings:
     max_tokens: int | None = None
     seed: int | None = None
     system: str | None = None
+    # Structured output: "json" (any JSON object) or a JSON schema the replies must match.
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
 
 
 # A backend: given the whole conversation (OpenAI-style messages, the system message first
@@ -194,10 +198,11 @@ def _split(text: str) -> tuple[str, str]:
 def _describe(settings: ChatSettings) -> str:
     """``/show settings``: every setting, with `default` for the ones left to the backend."""
     lines = ["Settings:"]
-    for item in fields(settings):
-        if item.name != "system":
-            value = getattr(settings, item.name)
-            lines.append(f"  {item.name:<12} {'default' if value is None else value}")
+    for name in _SETTINGS:
+        value = getattr(settings, name)
+        lines.append(f"  {name:<12} {'default' if value is None else value}")
+    answers = "a JSON schema's JSON" if settings.json_schema is not None else "JSON" if settings.json_object else "text"
+    lines.append(f"  {'format':<12} {answers}")
     lines.append("System prompt:")
     lines.extend(f"  {line}" for line in (settings.system or "(none)").splitlines())
     return "\n".join(lines) + "\n"

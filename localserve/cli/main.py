@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -148,19 +149,24 @@ def main() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 is no limit.")
 @click.option("--seed", type=int, default=None)
 @click.option("--raw", is_flag=True, help="Complete PROMPT as plain text, without the chat template.")
+@click.option("--format", "output_format", type=click.Choice(["json"]), default=None,
+              help="Answer with a JSON object (enforced token by token).")
+@click.option("--schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Answer with JSON valid against this JSON schema file (enforced token by token).")
 @click.option("--device", default=None, help="cpu or cuda; default cuda when available (in-process only).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device (in-process only).")
 @engine_options
 def run(model: str, prompt: str | None, system: str | None, max_tokens: int | None, temperature: float,
-        top_p: float, top_k: int, seed: int | None, raw: bool, device: str | None, dtype: str | None,
-        **options: object) -> None:
+        top_p: float, top_k: int, seed: int | None, raw: bool, output_format: str | None, schema: Path | None,
+        device: str | None, dtype: str | None, **options: object) -> None:
     """Chat with MODEL (a registry name, a .gguf file or an HF checkpoint folder), or
     answer PROMPT and exit. Runs on the daemon when it is up and serves MODEL, else
     loads the model here (then the engine options apply)."""
     from .chat_repl import ChatSettings, chat_loop, messages_for, stdin_reader, write_stdout
 
     settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
-                            system=system)
+                            system=system, json_schema=_read_schema(schema) if schema else None,
+                            json_object=output_format == "json")
     backend = _run_backend(model, device, dtype, options)
     if prompt is not None:
         if backend.has_template and not raw:
@@ -177,6 +183,16 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
     generate = backend.chat if backend.has_template else (
         lambda messages, s: backend.complete(messages[-1]["content"], s))
     chat_loop(generate, settings, stdin_reader(), write_stdout)
+
+
+def _read_schema(path: Path) -> dict[str, Any]:
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise click.BadParameter(f"{path}: not a JSON file ({exc})", param_hint="--schema") from exc
+    if not isinstance(schema, dict):
+        raise click.BadParameter(f"{path}: a JSON schema is an object", param_hint="--schema")
+    return schema
 
 
 def _run_backend(model: str, device: str | None, dtype: str | None, options: dict[str, object]) -> Backend:

@@ -14,6 +14,7 @@ from ..client import DaemonClient, DaemonError
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
+    from ..engine.structured_output import OutputFormat
 
 
 class Backend(Protocol):
@@ -31,6 +32,22 @@ def _sampling_fields(settings: ChatSettings) -> dict[str, Any]:
     return {key: value for key, value in fields.items() if value is not None}
 
 
+def _response_format(settings: ChatSettings) -> dict[str, Any]:
+    """The API's ``response_format`` for ``--schema`` / ``--format json``."""
+    if settings.json_schema is not None:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "output",
+                                                                           "schema": settings.json_schema}}}
+    return {"response_format": {"type": "json_object"}} if settings.json_object else {}
+
+
+def _output_format(settings: ChatSettings) -> OutputFormat | None:
+    from ..engine.structured_output import OutputFormat
+
+    if settings.json_schema is not None:
+        return OutputFormat("json", settings.json_schema)
+    return OutputFormat("json_object") if settings.json_object else None
+
+
 @dataclass
 class DaemonBackend:
     client: DaemonClient
@@ -42,11 +59,11 @@ class DaemonBackend:
         return f"daemon at {self.client.url}"
 
     def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
-        body = {"model": self.model, "messages": messages, **_sampling_fields(settings)}
+        body = {"model": self.model, "messages": messages, **_sampling_fields(settings), **_response_format(settings)}
         return self.client.stream_text("/v1/chat/completions", body)
 
     def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]:
-        body = {"model": self.model, "prompt": prompt, **_sampling_fields(settings)}
+        body = {"model": self.model, "prompt": prompt, **_sampling_fields(settings), **_response_format(settings)}
         return self.client.stream_text("/v1/completions", body)
 
 
@@ -83,7 +100,7 @@ class LocalBackend:
         room = max(self.engine.max_model_len - len(prompt), 1)  # the engine refuses a prompt with no room
         fields = _sampling_fields(settings)
         fields["max_tokens"] = min(fields.get("max_tokens", room), room)
-        request_id = self.engine.add_request(prompt, SamplingParams(**fields))
+        request_id = self.engine.add_request(prompt, SamplingParams(**fields, output_format=_output_format(settings)))
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
