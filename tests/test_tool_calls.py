@@ -173,3 +173,33 @@ def test_bad_tool_choices_are_400s(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="one of"):
         client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, max_tokens=4,
                                        tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_server_options_choose_the_parsers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--tool-parser names a format the template does not show (pythonic here);
+    --reasoning-parser none leaves <think> text in content. The CLI offers every format."""
+    import click
+
+    from localserve.cli.main import serve
+    from localserve.server.tool_calls import PARSERS
+
+    from .test_reasoning import THINKING_TEMPLATE
+
+    choices = {p.name: p.type.choices for p in serve.params if isinstance(p.type, click.Choice)}
+    assert set(choices["tool_parser"]) == {"auto", "none", *PARSERS}
+    if not STORIES_HF.is_dir():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    path = stories_with_template(tmp_path, THINKING_TEMPLATE)
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu",
+                          tool_parser="pythonic", reasoning_parser="none")
+    with running_server(config) as running:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
+                               max_retries=0)
+        steer = {"guided_regex": r'\[get_time\(zone="(CET|UTC)"\)\]'}
+        reply = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, temperature=0,
+                                               max_tokens=40, extra_body=steer)
+        assert check_calls(reply.choices[0].message.tool_calls, {"get_time"})
+        thinking = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=30,
+                                                  extra_body={"guided_regex": r"[a-z]{3,8}</think>Yes\."})
+        message = thinking.choices[0].message
+        assert "</think>" in message.content and "reasoning_content" not in (message.model_extra or {})

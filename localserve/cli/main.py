@@ -246,6 +246,11 @@ def model_source(value: str) -> tuple[str, Path]:
 @click.option("--max-body-size", default="32MiB", show_default=True, type=ByteSize(), help="Largest request body.")
 @click.option("--drain-timeout", default=30.0, show_default=True,
               help="Seconds SIGTERM waits for running requests before exiting.")
+@click.option("--tool-parser", default="auto", show_default=True,
+              type=click.Choice(["auto", "none", "hermes", "llama3_json", "mistral", "deepseek", "pythonic"]),
+              help="How tool calls are read from replies: auto picks the chat template's format.")
+@click.option("--reasoning-parser", default="auto", show_default=True, type=click.Choice(["auto", "think", "none"]),
+              help="Split <think> blocks into reasoning_content: auto does for templates that write them.")
 @click.option("--device", default=None, help="cpu or cuda; default cuda when available.")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device.")
 @click.option("--log-level", default="info", show_default=True,
@@ -254,8 +259,8 @@ def model_source(value: str) -> tuple[str, Path]:
 @config_file_option
 def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, api_key: str | None,
           insecure_no_auth: bool, cors_origins: tuple[str, ...], keep_alive: str, max_loaded_models: int,
-          max_queued_requests: int, max_body_size: int, drain_timeout: float, device: str | None, dtype: str | None,
-          log_level: str, **options: object) -> None:
+          max_queued_requests: int, max_body_size: int, drain_timeout: float, tool_parser: str,
+          reasoning_parser: str, device: str | None, dtype: str | None, log_level: str, **options: object) -> None:
     """Run the daemon: an OpenAI-compatible HTTP API (/v1), the admin API (/api),
     /health and /metrics, on one port. Every option can also come from the
     environment (LOCALSERVE_<OPTION>) or a config file; SIGTERM drains and exits,
@@ -281,7 +286,8 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
         engine=engine_config(options), device=device, dtype=dtype,
         host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
-        max_queued_requests=max_queued_requests, drain_timeout=drain_timeout)
+        max_queued_requests=max_queued_requests, drain_timeout=drain_timeout, tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser)
     sys.exit(run_server(server_config, insecure_no_auth, log_level, _model_list_on_reload(config)))
 
 

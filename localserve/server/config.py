@@ -30,3 +30,5 @@ class ServerConfig:
     max_loaded_models: int = 3
     max_queued_requests: int = 256  # per model, beyond the running batch
     drain_timeout: float = 30.0  # seconds SIGTERM waits for running requests
+    tool_parser: str = "auto"  # how replies' tool calls are read: from the chat template, a format, or "none"
+    reasoning_parser: str = "auto"  # <think> blocks: "auto" (from the template), "think" or "none"

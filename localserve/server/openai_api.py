@@ -108,13 +108,16 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         return [model.encode(text, add_special_tokens=False)]
 
     def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
-        template = model.chat_template()
+        config, template = state_of(request).config, model.chat_template()
         forced = body.forced_tools()
         parser = None
-        if body.tools and body.tool_choice in (None, "auto"):
-            parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or ""))
-        reply_format = ReplyFormat(opens_thinking if reasoning.thinks(template.source) else None, parser,
-                                   forced is not None, forced[1] if forced else None)
+        if body.tools and body.tool_choice in (None, "auto") and config.tool_parser != "none":
+            parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or "")) \
+                if config.tool_parser == "auto" else config.tool_parser
+        thinks = config.reasoning_parser == "think" or (
+            config.reasoning_parser == "auto" and reasoning.thinks(template.source))
+        reply_format = ReplyFormat(opens_thinking if thinks else None, parser, forced is not None,
+                                   forced[1] if forced else None)
         return _ChatShaper(model, body, choices, reply_format)
 
     return await _generate(request, body, prompts, shaper)
