@@ -36,6 +36,10 @@ def daemon_url() -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class Thinking(str):
+    """A piece of a model's reasoning (its ``<think>`` block), apart from the answer."""
+
+
 class DaemonClient:
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.url = url or daemon_url()
@@ -57,8 +61,9 @@ class DaemonClient:
         return self._send("POST", path, json=body).json()
 
     def stream_text(self, path: str, body: dict[str, Any]) -> Iterator[str]:
-        """POST a streaming completion and yield each chunk's new text; closing the
-        iterator closes the connection, which cancels the request on the daemon."""
+        """POST a streaming completion and yield each chunk's new text (a thinking model's
+        reasoning as ``Thinking`` pieces); closing the iterator closes the connection,
+        which cancels the request on the daemon."""
         try:
             with self.http.stream("POST", path, json={**body, "stream": True}) as response:
                 if response.status_code != 200:
@@ -71,7 +76,10 @@ class DaemonClient:
                     if "error" in event:
                         raise DaemonError(str(event["error"].get("message", event["error"])), 500)
                     for choice in event.get("choices", []):
-                        text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                        delta = choice.get("delta", {})
+                        if delta.get("reasoning_content"):
+                            yield Thinking(delta["reasoning_content"])
+                        text = delta.get("content") if "delta" in choice else choice.get("text")
                         if text:
                             yield text
         except httpx.HTTPError as exc:

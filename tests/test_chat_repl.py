@@ -333,3 +333,60 @@ def test_stdin_reader_passes_on_eof(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_write_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     chat_repl.write_stdout("piece")
     assert capsys.readouterr().out == "piece"
+
+
+def test_thinking_is_shown_apart_and_kept_out_of_the_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    from localserve.client import Thinking
+
+    model = FakeModel(reply=(Thinking("Let me "), Thinking("see."), "It is ", "4."))
+    result = chat("2+2?", "and 3+3?", model=model)
+    assert any(isinstance(w, Thinking) for w in result.writes)  # the writer decides how it looks
+    assert model.sent[1] == [user("2+2?"), assistant("It is 4."), user("and 3+3?")]
+
+    class Terminal:
+        def __init__(self, tty: bool) -> None:
+            self.tty, self.text = tty, ""
+
+        def isatty(self) -> bool:
+            return self.tty
+
+        def write(self, text: str) -> None:
+            self.text += text
+
+        def flush(self) -> None:
+            pass
+
+    for tty, expected in ((True, "\x1b[2mLet me\x1b[0mIt is 4."), (False, "It is 4.")):
+        terminal = Terminal(tty)
+        monkeypatch.setattr("sys.stdout", terminal)
+        for piece in (Thinking("Let me"), "It is 4."):
+            chat_repl.write_stdout(piece)
+        assert terminal.text == expected  # dimmed on a terminal, left out when piped
+
+
+def test_both_backends_tell_thinking_from_the_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """In-process, a thinking template's reply is split as the daemon splits it; through the
+    daemon, reasoning_content pieces arrive as Thinking (a regex steers the story model
+    into closing its think block)."""
+    from localserve import Engine, EngineConfig
+    from localserve.cli.run_backends import LocalBackend
+    from localserve.client import DaemonClient, Thinking
+    from localserve.server.config import ServerConfig
+
+    from .conftest import STORIES_HF
+    from .server_util import running_server, small_engine_config, stories_with_template
+    from .test_reasoning import THINKING_TEMPLATE
+
+    if not STORIES_HF.is_dir():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    path = stories_with_template(tmp_path, THINKING_TEMPLATE)
+    local = LocalBackend(Engine(path, EngineConfig(num_kv_blocks=64), device="cpu"))
+    pieces = list(local.chat([user("Hi")], ChatSettings(temperature=0, max_tokens=12)))
+    assert pieces and all(isinstance(p, Thinking) for p in pieces)  # the prompt opened the block; no </think> came
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
+    with running_server(config) as server:
+        body = {"model": "stories", "messages": [user("Hi")], "temperature": 0, "max_tokens": 30,
+                "guided_regex": r"[a-z]{3,8}</think>Yes\."}
+        streamed = list(DaemonClient(server.url).stream_text("/v1/chat/completions", body))
+    thinking = "".join(p for p in streamed if isinstance(p, Thinking))
+    assert thinking.isalpha() and "".join(p for p in streamed if not isinstance(p, Thinking)) == "Yes."

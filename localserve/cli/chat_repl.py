@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..client import Thinking
 from ..errors import LocalserveError
 
 __all__ = ["CONTINUATION_PROMPT", "ChatSettings", "Generate", "HELP", "PROMPT", "chat_loop", "messages_for",
@@ -246,7 +247,8 @@ class _Session:
             # A copy of the settings, so a backend that keeps them sees no later /set.
             stream = self.generate(messages_for(self.history, self.settings), replace(self.settings))
             for piece in stream:
-                pieces.append(piece)
+                if not isinstance(piece, Thinking):  # the reasoning stays out of the history
+                    pieces.append(piece)
                 self.write(piece)
         except KeyboardInterrupt:
             self.write("\n")
@@ -324,6 +326,11 @@ def stdin_reader() -> ReadLine:
 
 
 def write_stdout(text: str) -> None:
-    """Write `text` to stdout at once (streamed replies must not wait in a buffer)."""
+    """Write `text` to stdout at once (streamed replies must not wait in a buffer); a
+    model's reasoning dimmed on a terminal, and left out when the output is piped."""
+    if isinstance(text, Thinking):
+        if not sys.stdout.isatty():
+            return
+        text = f"\x1b[2m{text}\x1b[0m"
     sys.stdout.write(text)
     sys.stdout.flush()

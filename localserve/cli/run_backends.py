@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .chat_repl import ChatSettings
-from ..client import DaemonClient, DaemonError
+from ..client import DaemonClient, DaemonError, Thinking
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -78,10 +78,15 @@ class LocalBackend:
         self.has_template = self.template is not None
 
     def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
+        from ..server import reasoning
+
         assert self.template is not None
         text = self.template.render(messages, add_generation_prompt=True)
         # The template writes BOS itself where the model wants it.
-        return self._stream(self._encode(text, add_special_tokens=False), settings)
+        stream = self._stream(self._encode(text, add_special_tokens=False), settings)
+        if not reasoning.thinks(self.template.source):
+            return stream
+        return _split_thinking(stream, reasoning.ReasoningSplitter(inside=reasoning.starts_inside(text)))
 
     def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]:
         return self._stream(self._encode(prompt), settings)
@@ -109,6 +114,23 @@ class LocalBackend:
         finally:
             if self.engine.has_unfinished_requests():
                 self.engine.abort(request_id)  # Ctrl-C, or an error: free the sequence
+
+
+def _split_thinking(stream: Iterator[str], splitter: Any) -> Iterator[str]:
+    """A thinking model's text as ``Thinking`` pieces and answer pieces, as the daemon sends them."""
+    try:
+        for piece in stream:
+            yield from _pieces(*splitter.feed(piece))
+        yield from _pieces(*splitter.finish())
+    finally:
+        stream.close()  # type: ignore[attr-defined]  # a generator: cancels the request
+
+
+def _pieces(thinking: str, answer: str) -> Iterator[str]:
+    if thinking:
+        yield Thinking(thinking)
+    if answer:
+        yield answer
 
 
 def daemon_backend(client: DaemonClient, model: str, path: Path) -> DaemonBackend | None:
