@@ -95,3 +95,24 @@ def test_reserved_template_variables_are_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         client.chat.completions.create(model="stories", messages=MESSAGES, max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+def test_a_thinking_budget_closes_the_block(client: openai.OpenAI) -> None:
+    """After max_reasoning_tokens tokens of thinking the engine writes </think> itself and
+    the model goes on to answer; without a budget the story model never closes the block."""
+    free = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=30)
+    assert free.choices[0].message.content == "" and free.choices[0].message.model_extra["reasoning_content"]
+    for stream in (False, True):
+        reply = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=30,
+                                               stream=stream, extra_body={"max_reasoning_tokens": 6})
+        if stream:
+            thinking = answer = ""
+            for chunk in reply:
+                for choice in chunk.choices:
+                    answer += choice.delta.content or ""
+                    thinking += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+        else:
+            message = reply.choices[0].message
+            thinking, answer = message.model_extra["reasoning_content"], message.content
+        assert free.choices[0].message.model_extra["reasoning_content"].startswith(thinking) and thinking
+        assert answer  # the story goes on after the forced </think>

@@ -77,6 +77,7 @@ class OutputProcessor:
         for i, request in enumerate(sampled):
             token = sampler_output.token_ids[i]
             request.token_ids.append(token)
+            _track_thinking(request, token)
             if request.first_token_time is None:
                 request.first_token_time = now
             if sampler_output.logprobs[i] is not None:
@@ -152,3 +153,18 @@ def _held_back(text: str, stops: list[str]) -> int:
                 longest = size
                 break
     return longest
+
+
+def _track_thinking(request: Request, token: int) -> None:
+    """Spend a thinking budget: once the request has written its budget of tokens with
+    the think block open, the tokens that close it are forced, one a step."""
+    if request.forced_token_ids and token == request.forced_token_ids[0]:
+        request.forced_token_ids.pop(0)
+    params = request.params
+    if params.thinking_budget is None or request.thinking_closed:
+        return
+    end = list(params.thinking_end)
+    if request.output_token_ids[-len(end):] == end:
+        request.thinking_closed = True  # closed by the model, or by what was forced
+    elif request.num_output_tokens >= params.thinking_budget and not request.forced_token_ids:
+        request.forced_token_ids = end

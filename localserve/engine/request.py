@@ -45,6 +45,8 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     constraint: Constraint | None = None  # where a structured output's grammar stands
+    forced_token_ids: list[int] = field(default_factory=list)  # the next tokens, whatever the model says
+    thinking_closed: bool = False  # its thinking budget no longer applies
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -13,7 +13,7 @@ from .request import Request
 from .sampling_params import SamplingParams
 from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
 from .scheduler import ScheduledBatch
-from .structured_output import StructuredOutputs
+from .structured_output import StructuredOutputs, with_forced_tokens
 
 
 @dataclass(slots=True)
@@ -188,5 +188,9 @@ class ModelRunner:
                 )
                 for r in inputs.to_sample
             ]
-            sampler_output = self.sampler(logits[:num_sampled], rows, masks.result() if masks else None)
+            grammar_masks = masks.result() if masks else None
+            forced = {i: r.forced_token_ids[0] for i, r in enumerate(inputs.to_sample) if r.forced_token_ids}
+            if forced:
+                grammar_masks = with_forced_tokens(grammar_masks, forced, logits.shape[1])
+            sampler_output = self.sampler(logits[:num_sampled], rows, grammar_masks)
         return RunnerOutput(inputs.to_sample, sampler_output, prompt_logprobs)

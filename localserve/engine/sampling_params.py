@@ -31,6 +31,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
     output_format: OutputFormat | None = None  # structured output: what the text must match
+    # A thinking model's budget: after this many output tokens with its think block still
+    # open, the block's closing tokens (``thinking_end``) are forced, and the answer follows.
+    thinking_budget: int | None = None
+    thinking_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +57,8 @@ class SamplingParams:
             (all(type(t) is int and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids (ints >= 0)"),
             (all(isinstance(b, int | float) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
+            (self.thinking_budget is None or (self.thinking_budget >= 0 and len(self.thinking_end) > 0),
+             "thinking_budget must be >= 0 and come with the tokens that end the thinking"),
         ]
         for ok, message in checks:
             if not ok:

@@ -135,6 +135,22 @@ class StructuredOutputs:
         return rows, bitmask
 
 
+def with_forced_tokens(masks: tuple[list[int], torch.Tensor] | None, forced: dict[int, int],
+                       vocab_size: int) -> tuple[list[int], torch.Tensor]:
+    """``masks`` (rows and bitmasks) with each row in ``forced`` (row -> token) allowed
+    that one token alone, in place of any grammar's mask."""
+    rows, bitmask = masks if masks is not None else ([], torch.zeros(0, (vocab_size + 31) // 32, dtype=torch.int32))
+    new_rows = [row for row in forced if row not in rows]
+    if new_rows:
+        rows = rows + new_rows
+        bitmask = torch.cat([bitmask, torch.zeros(len(new_rows), bitmask.shape[1], dtype=torch.int32)])
+    for row, token in forced.items():
+        word = torch.zeros(bitmask.shape[1], dtype=torch.int64)
+        word[token // 32] = 1 << (token % 32)
+        bitmask[rows.index(row)] = word.to(torch.int32)  # bit 31 wraps to the sign bit, as llguidance's does
+    return rows, bitmask
+
+
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Bool ``[rows, vocab_size]`` from bitmasks of 32 tokens a word (bit ``i % 32`` of
     word ``i // 32``)."""

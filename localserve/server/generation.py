@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
@@ -43,8 +43,9 @@ class Choice:
 
 
 def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int,
-                    seed_offset: int = 0) -> SamplingParams:
-    """The engine's parameters for one choice; without a token limit, the rest of the context."""
+                    seed_offset: int = 0, **extra: Any) -> SamplingParams:
+    """The engine's parameters for one choice; without a token limit, the rest of the context.
+    ``extra``: further SamplingParams fields the endpoint worked out (a thinking budget)."""
     seed = None if body.seed is None else (body.seed + seed_offset) % (1 << 64)  # choices differ
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
@@ -67,13 +68,15 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
         skip_special_tokens=body.skip_special_tokens,
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         output_format=body.output_format(),
+        **extra,
     )
 
 
-def choices_for(body: GenerationRequest, prompts: list[list[int]], max_model_len: int) -> list[Choice]:
+def choices_for(body: GenerationRequest, prompts: list[list[int]], max_model_len: int,
+                **extra: Any) -> list[Choice]:
     """``body.n`` choices per prompt, numbered prompt-major as OpenAI does."""
     n = body.n
-    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, seed_offset=j))
+    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, seed_offset=j, **extra))
             for p, ids in enumerate(prompts) for j in range(n)]
 
 

@@ -95,15 +95,31 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
     return text
 
 
+def _continuation(model: LoadedModel, text: str) -> tuple[int, ...]:
+    """The tokens of ``text`` written after other text: a SentencePiece vocabulary encodes
+    a string on its own with a leading word marker, which mid-reply it would not have."""
+    base = model.encode("\n", add_special_tokens=False)
+    ids = model.encode("\n" + text, add_special_tokens=False)
+    return tuple(ids[len(base):] if ids[:len(base)] == base else model.encode(text, add_special_tokens=False))
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     opens_thinking = False
+    extra: dict[str, Any] = {}
+
+    def thinks(model: LoadedModel) -> bool:
+        config = state_of(request).config
+        return config.reasoning_parser == "think" or (
+            config.reasoning_parser == "auto" and reasoning.thinks(model.chat_template().source))
 
     def prompts(model: LoadedModel) -> list[list[int]]:
         nonlocal opens_thinking
         text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                             body.tools, body.template_variables())
         opens_thinking = reasoning.starts_inside(text)
+        if body.max_reasoning_tokens is not None and thinks(model):
+            extra.update(thinking_budget=body.max_reasoning_tokens, thinking_end=_continuation(model, reasoning.END))
         # The template writes BOS itself where the model wants it.
         return [model.encode(text, add_special_tokens=False)]
 
@@ -114,27 +130,27 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         if body.tools and body.tool_choice in (None, "auto") and config.tool_parser != "none":
             parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or "")) \
                 if config.tool_parser == "auto" else config.tool_parser
-        thinks = config.reasoning_parser == "think" or (
-            config.reasoning_parser == "auto" and reasoning.thinks(template.source))
-        reply_format = ReplyFormat(opens_thinking if thinks else None, parser, forced is not None,
+        reply_format = ReplyFormat(opens_thinking if thinks(model) else None, parser, forced is not None,
                                    forced[1] if forced else None)
         return _ChatShaper(model, body, choices, reply_format)
 
-    return await _generate(request, body, prompts, shaper)
+    return await _generate(request, body, prompts, shaper, extra)
 
 
 async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
                     prompts: Callable[[LoadedModel], list[list[int]]],
-                    shaper: Callable[[LoadedModel, list[gen.Choice]], _ChatShaper | _CompletionShaper]) -> Response:
+                    shaper: Callable[[LoadedModel, list[gen.Choice]], _ChatShaper | _CompletionShaper],
+                    extra: dict[str, Any] | None = None) -> Response:
     """Acquire the model, run every choice, answer as one body or a stream of events;
-    the model is released when the response ends, however it ends."""
+    the model is released when the response ends, however it ends. ``extra``: SamplingParams
+    fields ``prompts`` works out as it renders (filled in by the time it returns)."""
     keep_alive = parse_keep_alive(body.keep_alive)
     state = state_of(request)
     model = await _acquire(request, body.model)
     released = False
     try:
         # Rendering and tokenizing take time in proportion to the prompt: off the event loop.
-        choices = gen.choices_for(body, await asyncio.to_thread(prompts, model), model.max_model_len)
+        choices = gen.choices_for(body, await asyncio.to_thread(prompts, model), model.max_model_len, **(extra or {}))
         streams = await gen.start(model, choices)
         progress = [gen.Progress(state.metrics, model.name) for _ in streams]
         shape = shaper(model, choices)

@@ -227,6 +227,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # a thinking model's budget
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
