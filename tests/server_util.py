@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
 import uvicorn
 
 from localserve.engine.config import EngineConfig
@@ -78,3 +79,19 @@ def running_server(config: ServerConfig, wait_ready: bool = True, **app_options:
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def stories_client(root: Path, template: str = CHAT_TEMPLATE, **config_fields: object) -> Iterator[openai.OpenAI]:
+    """The openai SDK (strict response validation) against a server of stories260K with
+    ``template`` as its chat template; ``config_fields``: further ServerConfig fields."""
+    import pytest
+
+    if not STORIES_HF.is_dir():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    path = stories_with_template(root, template)
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu",
+                          **config_fields)  # type: ignore[arg-type]
+    with running_server(config) as running:
+        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
+                            max_retries=0)

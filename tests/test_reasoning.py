@@ -8,12 +8,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from localserve.server.config import ServerConfig
 from localserve.server.chat_reply import ReplyFormat, whole
 from localserve.server.reasoning import ReasoningSplitter, starts_inside, thinks
 
-from .conftest import STORIES_HF
-from .server_util import running_server, small_engine_config, stories_with_template
+from .server_util import stories_client
 
 TEXTS = [
     ("<think>\nLet me see.</think>\n\nIt is 4.", False, ("\nLet me see.", "\n\nIt is 4.")),
@@ -56,13 +54,8 @@ STEER = {"guided_regex": r"[a-z]{3,12}</think>\n\n[A-Z][a-z]{2,8}\."}
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
-    path = stories_with_template(tmp_path_factory.mktemp("models"), THINKING_TEMPLATE)
-    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
-    with running_server(config) as running:
-        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
-                            max_retries=0)
+    with stories_client(tmp_path_factory.mktemp("models"), THINKING_TEMPLATE) as client:
+        yield client
 
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]

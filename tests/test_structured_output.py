@@ -15,10 +15,9 @@ import torch
 
 from localserve import Engine, EngineConfig, LocalserveError, OutputFormat, SamplingParams
 from localserve.engine.structured_output import allowed_tokens
-from localserve.server.config import ServerConfig
 
 from .conftest import STORIES_HF
-from .server_util import running_server, small_engine_config, stories_with_template
+from .server_util import stories_client
 
 # Bounded: a string of at most 8 characters, an integer below 100, one of two words.
 WEATHER = {"type": "object",
@@ -113,13 +112,8 @@ def test_bitmask_unpacking() -> None:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
-    path = stories_with_template(tmp_path_factory.mktemp("models"))
-    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
-    with running_server(config) as running:
-        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
-                            max_retries=0)
+    with stories_client(tmp_path_factory.mktemp("models")) as client:
+        yield client
 
 
 MESSAGES = [{"role": "user", "content": "What is the weather like?"}]

@@ -13,11 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from localserve.server.config import ServerConfig
 from localserve.server.tool_calls import ToolCallStream, parse, parser_for_template
 
-from .conftest import STORIES_HF
-from .server_util import running_server, small_engine_config, stories_with_template
+from .server_util import stories_client
 from .test_chat_template import TEMPLATES, WEATHER_TOOL
 
 PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
@@ -96,13 +94,8 @@ HERMES_STYLE = (
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
-    path = stories_with_template(tmp_path_factory.mktemp("models"), HERMES_STYLE)
-    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
-    with running_server(config) as running:
-        yield openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
-                            max_retries=0)
+    with stories_client(tmp_path_factory.mktemp("models"), HERMES_STYLE) as client:
+        yield client
 
 
 def check_calls(calls, names: set[str]) -> list[tuple[str, dict]]:  # type: ignore[no-untyped-def]
@@ -187,14 +180,7 @@ def test_server_options_choose_the_parsers(tmp_path) -> None:  # type: ignore[no
 
     choices = {p.name: p.type.choices for p in serve.params if isinstance(p.type, click.Choice)}
     assert set(choices["tool_parser"]) == {"auto", "none", *PARSERS}
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
-    path = stories_with_template(tmp_path, THINKING_TEMPLATE)
-    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu",
-                          tool_parser="pythonic", reasoning_parser="none")
-    with running_server(config) as running:
-        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", _strict_response_validation=True,
-                               max_retries=0)
+    with stories_client(tmp_path, THINKING_TEMPLATE, tool_parser="pythonic", reasoning_parser="none") as client:
         steer = {"guided_regex": r'\[get_time\(zone="(CET|UTC)"\)\]'}
         reply = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, temperature=0,
                                                max_tokens=40, extra_body=steer)
