@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from localserve.server.chat_messages import render_messages, template_messages
+from localserve.chat.messages import render_messages, template_messages
 from localserve.server.protocol import ChatMessage
 from localserve.text.chat_template import ChatTemplate
 
@@ -35,8 +35,9 @@ DEEPSEEK_LIKE = (
 )
 
 
-def wire(messages: list[dict[str, Any]]) -> list[ChatMessage]:
-    return [ChatMessage.model_validate(m) for m in messages]
+def wire(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the server hands them on, once validated."""
+    return [ChatMessage.model_validate(m).plain() for m in messages]
 
 
 def test_arguments_become_objects_and_render_as_transformers_renders_them(hf_render) -> None:  # noqa: F811

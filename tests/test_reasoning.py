@@ -8,8 +8,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from localserve.server.chat_reply import ReplyFormat, whole
-from localserve.server.reasoning import ReasoningSplitter, starts_inside, thinks
+from localserve.chat.reply import ReplyFormat, whole
+from localserve.chat.reasoning import ReasoningSplitter, starts_inside, thinks
 
 from .server_util import stories_client
 

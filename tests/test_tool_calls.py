@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from localserve.server.tool_calls import ToolCallStream, parse, parser_for_template
+from localserve.chat.tool_calls import ToolCallStream, parse, parser_for_template
 
 from .server_util import stories_client
 from .test_chat_template import TEMPLATES, WEATHER_TOOL
@@ -174,7 +174,7 @@ def test_server_options_choose_the_parsers(tmp_path) -> None:  # type: ignore[no
     import click
 
     from localserve.cli.main import serve
-    from localserve.server.tool_calls import PARSERS
+    from localserve.chat.tool_calls import PARSERS
 
     from .test_reasoning import THINKING_TEMPLATE
 

@@ -78,7 +78,7 @@ class LocalBackend:
         self.has_template = self.template is not None
 
     def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
-        from ..server import reasoning
+        from ..chat import reasoning
 
         assert self.template is not None
         text = self.template.render(messages, add_generation_prompt=True)

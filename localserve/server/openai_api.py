@@ -20,9 +20,9 @@ from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
 from . import generation as gen
-from . import chat_reply, reasoning, tool_calls
-from .chat_reply import ReplyFormat
-from .chat_messages import render_messages
+from ..chat import reasoning, reply as chat_reply, tool_calls
+from ..chat.messages import render_messages
+from ..chat.reply import ReplyFormat
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import state_of
@@ -83,7 +83,7 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
     """The prompt text; ``variables``: further template variables (``enable_thinking``, ...)."""
     model.check_prompt_chars(sum(len(m.text() or "") for m in messages))
     template = model.chat_template()
-    text = render_messages(messages, lambda plain, **how: template.render(
+    text = render_messages([m.plain() for m in messages], lambda plain, **how: template.render(
         plain, add_generation_prompt=add_generation_prompt, tools=tools, **(variables or {}), **how))
     if continue_final_message:
         # The reply continues the final assistant message: drop what the template

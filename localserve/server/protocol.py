@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from ..engine.structured_output import OutputFormat
 from ..errors import LocalserveError
-from .tool_calls import forced_format
+from ..chat.tool_calls import forced_format
 from .model_manager import parse_keep_alive
 
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -205,6 +205,10 @@ class ChatMessage(_Strict):
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content
+
+    def plain(self) -> dict[str, Any]:
+        """The message as a dict, its content one string (or None), unset fields left out."""
+        return {**self.model_dump(exclude_none=True), "content": self.text()}
 
 
 class _FunctionName(_Strict):

@@ -22,28 +22,29 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import LocalserveError
-from .protocol import ChatMessage
+
+Message = dict[str, Any]  # an OpenAI chat message; its content a string or None
 
 
-def template_messages(messages: list[ChatMessage], empty_content: bool = False) -> list[dict[str, Any]]:
-    """The messages as plain dicts for a template; ``empty_content``: ``""`` for null content."""
+def template_messages(messages: list[Message], empty_content: bool = False) -> list[Message]:
+    """The messages as templates take them; ``empty_content``: ``""`` for null content."""
     plain = []
     for message in messages:
-        entry = {**message.model_dump(exclude_none=True), "content": message.text()}
+        entry = {**message, "content": message.get("content")}
         if empty_content and entry["content"] is None:
             entry["content"] = ""
-        if message.tool_calls:
-            entry["tool_calls"] = [_parsed_arguments(call) for call in message.tool_calls]
+        if message.get("tool_calls"):
+            entry["tool_calls"] = [_parsed_arguments(call) for call in message["tool_calls"]]
         plain.append(entry)
     return plain
 
 
-def render_messages(messages: list[ChatMessage], render: Callable[..., str]) -> str:
+def render_messages(messages: list[Message], render: Callable[..., str]) -> str:
     """``render(plain_messages, keep_null_content=...)`` the messages, trying the ways null
     content can be given (above) in turn while the template fails on them."""
     # (null content as "", keep_null_content)
     ways = [(False, False)]
-    if any(message.content is None for message in messages):
+    if any(message.get("content") is None for message in messages):
         ways += [(False, True), (True, False)]
     for attempt, (empty, keep_null) in enumerate(ways, 1):
         try:
