@@ -25,8 +25,8 @@ TEXTS = [
 
 @pytest.mark.parametrize("text,inside,expected", TEXTS)
 def test_split_and_streamed_split_agree(text: str, inside: bool, expected: tuple) -> None:
-    message, calls = whole(ReplyFormat(opens_thinking=inside), text)
-    assert (message["reasoning_content"], message["content"]) == expected and not calls
+    message = whole(ReplyFormat(opens_thinking=inside), text)
+    assert (message.reasoning_content, message.content) == expected and not message.tool_calls
     for size in range(1, len(text) + 1):
         splitter, thinking, answer = ReasoningSplitter(inside=inside), "", ""
         for start in range(0, len(text), size):

@@ -53,6 +53,11 @@ def test_stop_token_ids_and_length(llm: LLM) -> None:
     first = full.token_ids.index(stop_token)
     [stopped] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]))
     assert stopped.token_ids == full.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    # The stop token ends the text without joining it, unless asked for (as vLLM does).
+    assert stopped.text == llm.tokenizer.decode(full.token_ids[:first]) != full.text
+    [kept] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token],
+                                                     include_stop_str_in_output=True))
+    assert kept.text == llm.tokenizer.decode(full.token_ids[: first + 1])
 
 
 def test_min_tokens_defers_stop_strings(llm: LLM) -> None:

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from localserve.chat.tool_calls import ToolCallStream, parse, parser_for_template
+from localserve.chat.tool_calls import PARSERS, ToolCallStream, forced_call_format, parse, parser_for_template
 
 from .server_util import stories_client
 from .test_chat_template import TEMPLATES, WEATHER_TOOL
@@ -29,7 +29,11 @@ REPLIES = [
                '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
      "Let me check.\n", [PARIS, TIME]),
     ("hermes", "It is sunny. No tools needed.", "It is sunny. No tools needed.", []),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, "malformed"),
+    ("hermes", "<tool_call>\nnot a call\n</tool_call>", "<tool_call>\nnot a call\n</tool_call>", []),
+    # Cut short: the call as far as it got, as OpenAI returns a reply cut by max_tokens.
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None,
+     [("get_weather", '{"city": "Par')]),
+    ("hermes", '<tool_call>\n{"arguments": {"zone": "CET"}, "name": "get_time"}</tool_call>', None, [TIME]),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [PARIS]),
     ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
                     '{"name": "get_time", "parameters": {"zone": "CET"}}', None, [PARIS, TIME]),
@@ -37,30 +41,67 @@ REPLIES = [
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
                 '{"name": "get_time", "arguments": {"zone": "CET"}}]', None, [PARIS, TIME]),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None, [PARIS]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris", "unit": "celsius"}'
+                '[TOOL_CALLS]get_time[CALL_ID]f5g6h7i8j[ARGS]{"zone": "CET"}', None, [PARIS, TIME]),
     ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                  '{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
                  '<｜tool▁sep｜>get_time\n```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
      None, [PARIS, TIME]),
+    ("deepseek", 'Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "CET"}'
+                 "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Checking.", [TIME]),  # V3.1
     ("pythonic", '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]', None, [PARIS, TIME]),
     ("pythonic", "[__import__('os').system('x')]", "[__import__('os').system('x')]", []),  # read, never run
 ]
 
 
+def streamed(call_format, reply: str, size: int) -> tuple[str, list[tuple[str, str]], int]:  # type: ignore[no-untyped-def]
+    """The content and the calls a reply streamed in pieces of ``size`` adds up to, as an
+    OpenAI client puts them together, and how many argument pieces came."""
+    stream, content, calls, pieces = ToolCallStream(call_format), "", {}, 0
+    for start in range(0, len(reply) + 1, size):
+        shown, entries = stream.feed(reply[start:start + size]) if start < len(reply) else stream.finish()
+        content += shown
+        for entry in entries:
+            if "id" in entry:  # the head: id, type and name with empty arguments, first
+                assert entry["type"] == "function" and entry["function"]["arguments"] == "" \
+                    and entry["index"] not in calls
+                calls[entry["index"]] = [entry["function"]["name"], ""]
+            else:
+                calls[entry["index"]][1] += entry["function"]["arguments"]
+                pieces += 1
+    if start < len(reply):
+        shown, entries = stream.finish()
+        content += shown
+        assert not entries or all("id" not in e for e in entries)
+        for entry in entries:
+            calls[entry["index"]][1] += entry["function"]["arguments"]
+    return content, [tuple(calls[i]) for i in range(len(calls))], pieces
+
+
 @pytest.mark.parametrize("parser,reply,content,calls", REPLIES)
 def test_each_format(parser: str, reply: str, content: str | None, calls) -> None:  # type: ignore[no-untyped-def]
     got_content, got = parse(parser, reply)
-    if calls == "malformed":
-        assert (got_content, got) == (reply, [])
-        return
     assert got_content == content
-    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
-    # Streamed in pieces of every size: the content sent adds up to the same, the calls too.
+    assert [(c.name, c.arguments if isinstance(args, str) else json.loads(c.arguments))
+            for c, (_, args) in zip(got, calls)] == calls
+    # Streamed in pieces of every size: the content and the calls add up to the same.
     for size in range(1, len(reply) + 1):
-        stream, shown = ToolCallStream(parser), ""
-        for start in range(0, len(reply), size):
-            shown += stream.feed(reply[start:start + size])
-        rest, streamed = stream.finish()
-        assert (shown + rest or None) == (content if got else reply) and streamed == got, size
+        shown, streamed_calls, pieces = streamed(PARSERS[parser], reply, size)
+        assert (shown or None) == (content if got else reply), size
+        assert streamed_calls == [(c.name, c.arguments) for c in got], size
+
+
+@pytest.mark.parametrize("call_format,reply", [
+    (PARSERS["hermes"], REPLIES[1][1]), (PARSERS["llama3_json"], REPLIES[7][1]), (PARSERS["mistral"], REPLIES[9][1]),
+    (PARSERS["mistral"], REPLIES[11][1]), (PARSERS["deepseek"], REPLIES[12][1]), (PARSERS["deepseek"], REPLIES[13][1]),
+    (forced_call_format("get_time"), '{"zone": "CET"}'),
+    (forced_call_format(None), '[{"name": "get_time", "arguments": {"zone": "CET"}}, '
+                               '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'),
+], ids=["hermes", "llama3_json", "mistral", "mistral-call-id", "deepseek", "deepseek-v3.1", "named", "required"])
+def test_arguments_go_out_as_they_are_generated(call_format, reply: str) -> None:  # type: ignore[no-untyped-def]
+    """Fed a character at a time, each character of the arguments is sent as it comes."""
+    _, calls, pieces = streamed(call_format, reply, 1)
+    assert calls and pieces == sum(len(arguments) for _, arguments in calls)
 
 
 def test_parser_from_template() -> None:
@@ -125,7 +166,7 @@ def test_forced_calls_are_schema_valid_whole_and_streamed(client: openai.OpenAI,
                                                 temperature=1.0, seed=seed, max_tokens=120, stream=True,
                                                 parallel_tool_calls=False)
         calls: dict[int, dict] = {}
-        finish = None
+        finish, pieces = None, 0
         for chunk in stream:
             for part in chunk.choices:
                 finish = part.finish_reason or finish
@@ -133,17 +174,28 @@ def test_forced_calls_are_schema_valid_whole_and_streamed(client: openai.OpenAI,
                     entry = calls.setdefault(piece.index, {"name": "", "arguments": ""})
                     entry["name"] += piece.function.name or ""
                     entry["arguments"] += piece.function.arguments or ""
+                    pieces += bool(piece.function.arguments)
         assert finish == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == whole
+        assert pieces > len(calls) + 2  # the arguments came as they were generated
 
 
 def test_calls_cut_short(client: openai.OpenAI) -> None:
-    """With parallel calls allowed, a story model keeps adding calls until max_tokens: the
-    reply is then the JSON as far as it got, as content, with no calls."""
-    choice = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                            temperature=0, max_tokens=40).choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith('[{"name": "get_')
+    """A reply cut by max_tokens inside a call returns the call as far as it got, with
+    finish_reason "length", as OpenAI returns one; streamed, the same."""
+    ask = dict(model="stories", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=40)
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments.startswith('{"city": "')
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    arguments, finish = "", None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for part in chunk.choices:
+            finish = part.finish_reason or finish
+            arguments += "".join(piece.function.arguments or "" for piece in part.delta.tool_calls or [])
+    assert (arguments, finish) == (call.function.arguments, "length")
 
 
 def test_auto_reads_the_models_own_calls(client: openai.OpenAI) -> None:
@@ -174,7 +226,6 @@ def test_server_options_choose_the_parsers(tmp_path) -> None:  # type: ignore[no
     import click
 
     from localserve.cli.main import serve
-    from localserve.chat.tool_calls import PARSERS
 
     from .test_reasoning import THINKING_TEMPLATE
 

@@ -4,7 +4,7 @@ streamed pieces add up to exactly the whole reply."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from . import reasoning, tool_calls
@@ -18,54 +18,71 @@ class ReplyFormat:
     forced_tools: bool = False  # tool_choice required or named: the output is the calls' JSON
     forced_name: str | None = None  # the named function: the output is its arguments
 
+    def call_format(self) -> tool_calls.CallFormat | None:
+        if self.forced_tools:
+            return tool_calls.forced_call_format(self.forced_name)
+        return tool_calls.PARSERS[self.tool_parser] if self.tool_parser is not None else None
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
+class AssistantMessage:
+    """A whole reply: ``content`` is None when the reply only calls tools;
+    ``reasoning_content`` is None for a model that does not think this way."""
+
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def to_openai(self) -> dict[str, Any]:
+        """As an OpenAI assistant message (to append to the conversation)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in self.tool_calls]
+        return message
+
+
 class Reply:
-    format: ReplyFormat
-    splitter: reasoning.ReasoningSplitter | None = None
-    calls_stream: tool_calls.ToolCallStream | None = None
-    forced_text: list[str] = field(default_factory=list)
-    saw_thinking: bool = False
+    """Reads one reply's text piece by piece into the delta fields to stream."""
 
-    def __post_init__(self) -> None:
-        if self.format.opens_thinking is not None:
-            self.splitter = reasoning.ReasoningSplitter(inside=self.format.opens_thinking)
-        if self.format.tool_parser is not None and not self.format.forced_tools:
-            self.calls_stream = tool_calls.ToolCallStream(self.format.tool_parser)
+    def __init__(self, reply_format: ReplyFormat) -> None:
+        self.format = reply_format
+        self.splitter = None if reply_format.opens_thinking is None else \
+            reasoning.ReasoningSplitter(inside=reply_format.opens_thinking)
+        call_format = reply_format.call_format()
+        self.calls = None if call_format is None else tool_calls.ToolCallStream(call_format)
 
-    def feed(self, text: str) -> dict[str, str]:
-        """The delta fields to send for this piece of text."""
+    def feed(self, text: str) -> dict[str, Any]:
+        """The delta fields to send for this piece of text: ``reasoning_content``,
+        ``content`` and ``tool_calls`` (OpenAI's entries) where there is something new."""
         thinking, answer = self.splitter.feed(text) if self.splitter else ("", text)
-        return self._delta(thinking, answer)
+        return self._delta(thinking, *(self.calls.feed(answer) if self.calls else (answer, [])))
 
-    def finish(self) -> tuple[dict[str, str], list[ToolCall]]:
-        """The last delta fields and the tool calls, once the text is complete."""
+    def finish(self) -> dict[str, Any]:
+        """The last delta fields, once the text is complete."""
         thinking, answer = self.splitter.finish() if self.splitter else ("", "")
-        delta = self._delta(thinking, answer)
-        calls: list[ToolCall] = []
-        if self.format.forced_tools:
-            text = "".join(self.forced_text)
-            calls = tool_calls.forced_calls(text, self.format.forced_name)
-            if not calls and text:  # cut short by max_tokens: the JSON as it stands
-                delta["content"] = delta.get("content", "") + text
-        elif self.calls_stream is not None:
-            rest, calls = self.calls_stream.finish()
-            if rest:
-                delta["content"] = delta.get("content", "") + rest
-        return delta, calls
+        content, pieces = self.calls.feed(answer) if self.calls else (answer, [])
+        if self.calls:
+            rest, last_pieces = self.calls.finish()
+            content, pieces = content + rest, pieces + last_pieces
+        return self._delta(thinking, content, pieces)
 
-    def _delta(self, thinking: str, answer: str) -> dict[str, str]:
-        delta = {}
+    @staticmethod
+    def _delta(thinking: str, content: str, pieces: list[dict[str, Any]]) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
         if thinking:
             delta["reasoning_content"] = thinking
-        if self.format.forced_tools:
-            self.forced_text.append(answer)
-            answer = ""
-        elif self.calls_stream is not None:
-            answer = self.calls_stream.feed(answer)
-        if answer:
-            delta["content"] = answer
+        if content:
+            delta["content"] = content
+        if pieces:
+            delta["tool_calls"] = pieces
         return delta
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls read so far (whole once finished)."""
+        return self.calls.calls if self.calls else []
 
     @property
     def thought(self) -> bool:
@@ -73,15 +90,13 @@ class Reply:
         return self.splitter is not None and self.splitter.inside
 
 
-def whole(reply_format: ReplyFormat, text: str) -> tuple[dict[str, Any], list[ToolCall]]:
-    """The message fields (``content``, and ``reasoning_content`` for a thinking model)
-    and the calls of a complete reply."""
+def whole(reply_format: ReplyFormat, text: str) -> AssistantMessage:
+    """A complete reply read at once."""
     reply = Reply(reply_format)
-    first = reply.feed(text)
-    last, calls = reply.finish()
+    first, last = reply.feed(text), reply.finish()
     content = first.get("content", "") + last.get("content", "")
-    message: dict[str, Any] = {"content": content if content.strip() or not calls else None}
-    if reply_format.opens_thinking is not None:
+    thinking = None
+    if reply_format.opens_thinking is not None and reply.thought:
         thinking = first.get("reasoning_content", "") + last.get("reasoning_content", "")
-        message["reasoning_content"] = thinking if reply.thought else None
-    return message, calls
+    calls = tuple(reply.tool_calls)
+    return AssistantMessage(content if content.strip() or not calls else None, thinking, calls)

@@ -91,16 +91,22 @@ class OutputProcessor:
 
     def _finish_reason(self, request: Request, text: _Text, token: int) -> str | None:
         params = request.params
-        piece = text.detokenizer.add(token) if text.detokenizer is not None else ""
+        # The sampler keeps EOS and stop tokens out before min_tokens.
+        stop_token = request.num_output_tokens >= params.min_tokens and (
+            (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids)
+        # A stop token ends the text without joining it (as vLLM does), so that where
+        # special tokens are kept the text of <|im_end|> is no part of the answer.
+        shown = not stop_token or params.include_stop_str_in_output
+        piece = text.detokenizer.add(token) if text.detokenizer is not None and shown else ""
         text.decoded += piece
         constraint = request.constraint
         if constraint is not None and (not constraint.accept(token) or constraint.finished):
             return "stop"  # the grammar is complete (or the token left it: an EOS it was told to ignore)
         if request.num_output_tokens < params.min_tokens:
-            return None  # the sampler already kept EOS and stop tokens out
+            return None
         if piece and params.stop and self._cut_stop_string(request, text):
             return "stop"
-        if (token in request.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if stop_token:
             return "stop"
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return "length"

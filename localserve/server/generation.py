@@ -45,10 +45,11 @@ class Choice:
 def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int,
                     seed_offset: int = 0, **extra: Any) -> SamplingParams:
     """The engine's parameters for one choice; without a token limit, the rest of the context.
-    ``extra``: further SamplingParams fields the endpoint worked out (a thinking budget)."""
+    ``extra``: further SamplingParams fields the endpoint worked out (a thinking budget,
+    special tokens kept for a tool-call parser)."""
     seed = None if body.seed is None else (body.seed + seed_offset) % (1 << 64)  # choices differ
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return SamplingParams(
+    fields: dict[str, Any] = dict(
         max_tokens=body.wanted_tokens() or max(1, max_model_len - prompt_len),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -68,8 +69,8 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
         skip_special_tokens=body.skip_special_tokens,
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         output_format=body.output_format(),
-        **extra,
     )
+    return SamplingParams(**{**fields, **extra})
 
 
 def choices_for(body: GenerationRequest, prompts: list[list[int]], max_model_len: int,

@@ -105,33 +105,32 @@ def _continuation(model: LoadedModel, text: str) -> tuple[int, ...]:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-    opens_thinking = False
+    config = state_of(request).config
+    reply_format = ReplyFormat()
     extra: dict[str, Any] = {}
 
-    def thinks(model: LoadedModel) -> bool:
-        config = state_of(request).config
-        return config.reasoning_parser == "think" or (
-            config.reasoning_parser == "auto" and reasoning.thinks(model.chat_template().source))
-
     def prompts(model: LoadedModel) -> list[list[int]]:
-        nonlocal opens_thinking
+        nonlocal reply_format
         text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                             body.tools, body.template_variables())
-        opens_thinking = reasoning.starts_inside(text)
-        if body.max_reasoning_tokens is not None and thinks(model):
+        template = model.chat_template()
+        thinks = config.reasoning_parser == "think" or (
+            config.reasoning_parser == "auto" and reasoning.thinks(template.source))
+        if body.max_reasoning_tokens is not None and thinks:
             extra.update(thinking_budget=body.max_reasoning_tokens, thinking_end=_continuation(model, reasoning.END))
-        # The template writes BOS itself where the model wants it.
-        return [model.encode(text, add_special_tokens=False)]
-
-    def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
-        config, template = state_of(request).config, model.chat_template()
         forced = body.forced_tools()
         parser = None
         if body.tools and body.tool_choice in (None, "auto") and config.tool_parser != "none":
             parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or "")) \
                 if config.tool_parser == "auto" else config.tool_parser
-        reply_format = ReplyFormat(opens_thinking if thinks(model) else None, parser, forced is not None,
+        if parser is not None:
+            extra["skip_special_tokens"] = False  # the call markers are special tokens in some vocabularies
+        reply_format = ReplyFormat(reasoning.starts_inside(text) if thinks else None, parser, forced is not None,
                                    forced[1] if forced else None)
+        # The template writes BOS itself where the model wants it.
+        return [model.encode(text, add_special_tokens=False)]
+
+    def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
         return _ChatShaper(model, body, choices, reply_format)
 
     return await _generate(request, body, prompts, shaper, extra)
@@ -215,12 +214,14 @@ class _ChatShaper(_Shaper):
         self.reply_format = reply_format
 
     def choice(self, choice: gen.Choice, output: RequestOutput) -> dict[str, Any]:
-        fields, calls = chat_reply.whole(self.reply_format, output.text)
-        message = {"role": "assistant", **fields}
-        if calls:
-            message["tool_calls"] = [call.to_openai(tool_calls.new_call_id()) for call in calls]
+        reply = chat_reply.whole(self.reply_format, output.text)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+        if self.reply_format.opens_thinking is not None:
+            message["reasoning_content"] = reply.reasoning_content
+        if reply.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
         return {"index": choice.index, "message": message, "logprobs": self.logprobs(output.logprobs or []),
-                "finish_reason": _finish_reason(output, calls)}
+                "finish_reason": _finish_reason(output, bool(reply.tool_calls))}
 
     def logprobs(self, logprobs: list[TokenLogprobs]) -> dict[str, Any] | None:
         return _chat_logprobs(self.model, logprobs) if self.body.logprobs else None
@@ -243,35 +244,31 @@ class _ChatShaper(_Shaper):
         replies = [chat_reply.Reply(self.reply_format) for _ in self.choices]
         finals: list[RequestOutput] = []
         async for index, output in outputs:
-            choice = self.choices[index]
+            choice, reply = self.choices[index], replies[index]
             new_logprobs = sent[index].advance(output)
-            delta: dict[str, Any] = replies[index].feed(output.delta)
-            calls: list[tool_calls.ToolCall] = []
+            delta = reply.feed(output.delta)
             if output.finished:
                 finals.append(output)
-                last, calls = replies[index].finish()
-                for key, value in last.items():
-                    delta[key] = delta.get(key, "") + value
-            if delta or new_logprobs or (output.finished and not calls):
+                for key, value in reply.finish().items():
+                    delta[key] = delta.get(key, type(value)()) + value
+            # Calls go one entry a chunk, after the text, as OpenAI streams them.
+            pieces = delta.pop("tool_calls", [])
+            finish_reason = _finish_reason(output, bool(reply.tool_calls)) if output.finished else None
+            if delta or new_logprobs or (finish_reason and not pieces):
                 yield self.chunk([{"index": choice.index, "delta": delta, "logprobs": self.logprobs(new_logprobs),
-                                   "finish_reason": output.finish_reason if output.finished and not calls else None}])
-            # As OpenAI streams a call: its id, type and name with empty arguments, then the arguments.
-            for position, call in enumerate(calls):
-                head = {"index": position, "id": tool_calls.new_call_id(), "type": "function",
-                        "function": {"name": call.name, "arguments": ""}}
-                for piece in (head, {"index": position, "function": {"arguments": call.arguments}}):
-                    yield self.chunk([{"index": choice.index, "delta": {"tool_calls": [piece]}, "logprobs": None,
-                                       "finish_reason": None}])
-            if calls:
-                yield self.chunk([{"index": choice.index, "delta": {}, "logprobs": None,
-                                   "finish_reason": _finish_reason(output, calls)}])
+                                   "finish_reason": None if pieces else finish_reason}])
+            for piece in pieces:
+                yield self.chunk([{"index": choice.index, "delta": {"tool_calls": [piece]}, "logprobs": None,
+                                   "finish_reason": None}])
+            if finish_reason and pieces:
+                yield self.chunk([{"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
         if self.include_usage:
             yield self.chunk([], self.usage(finals))
 
 
-def _finish_reason(output: RequestOutput, calls: list[tool_calls.ToolCall]) -> str | None:
+def _finish_reason(output: RequestOutput, called: bool) -> str | None:
     """``tool_calls`` when the reply ended on calls, as OpenAI reports it."""
-    return "tool_calls" if calls and output.finish_reason == "stop" else output.finish_reason
+    return "tool_calls" if called and output.finish_reason == "stop" else output.finish_reason
 
 
 class _Sent:
