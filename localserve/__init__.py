@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
-    "OutputFormat": ".engine.structured_output",
+    "OutputFormat": ".engine.structured_output", "ChatOutput": ".llm",
 }
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .engine.sampling_params import SamplingParams
     from .engine.structured_output import OutputFormat
     from .errors import LocalserveError
-    from .llm import LLM
+    from .llm import LLM, ChatOutput
 
 
 def __getattr__(name: str) -> object:

@@ -1,12 +1,19 @@
-"""The offline Python API: load a model, generate for a list of prompts."""
+"""The offline Python API: load a model, generate for a list of prompts or chat."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .chat import reply as chat_reply
+from .chat.messages import render_messages
+from .chat.reply import AssistantMessage
 from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
 from .engine.engine import Engine
@@ -16,6 +23,14 @@ from .engine.stats import EngineStats
 from .errors import LocalserveError
 
 Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class ChatOutput(RequestOutput):
+    """A chat reply: the request's output and ``message``, its text read as the HTTP API
+    reads it (``content``, ``reasoning_content``, ``tool_calls``)."""
+
+    message: AssistantMessage | None = None
 
 
 class LLM:
@@ -52,11 +67,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise LocalserveError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, self._params_for(params, len(prompts)))]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for output in self.engine.step():
@@ -69,21 +80,49 @@ class LLM:
         conversations: list[dict] | Sequence[list[dict]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict] | None = None,
-    ) -> list[RequestOutput]:
+        tool_choice: str | dict = "auto",
+        parallel_tool_calls: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        max_reasoning_tokens: int | None = None,
+    ) -> list[ChatOutput]:
         """Generate replies to one conversation (a list of OpenAI-style messages) or
-        several, rendered with the model's own chat template."""
+        several, rendered with the model's own chat template; each output's ``message`` is
+        the reply read as the HTTP API reads it: thinking, answer and tool calls.
+        ``tool_choice`` ``required`` or a named function holds the reply to schema-valid
+        calls; ``chat_template_kwargs`` are further template variables (``enable_thinking``)."""
         if self._chat_template is None:
             self._chat_template = self.engine.checkpoint.chat_template()
         template = self._chat_template
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self._render(template, messages, tools) for messages in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params)
+        conversations = list(conversations)  # type: ignore[arg-type]
+        params = self._params_for(params, len(conversations))
+        encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
+        prompts, formats, chat_params = [], [], []
+        for messages, sampling in zip(conversations, params):
+            text = render_messages(list(messages), lambda plain, **how: template.render(
+                plain, add_generation_prompt=True, tools=tools, **(chat_template_kwargs or {}), **how))
+            reply = chat_reply.reply_format(template, text, tools, tool_choice, parallel_tool_calls)
+            fields = chat_reply.sampling_fields(reply, encode, max_reasoning_tokens)
+            if reply.forced_tools is not None:
+                if sampling.output_format is not None:
+                    raise LocalserveError("give an output_format or a required or named tool_choice, not both")
+                fields["output_format"] = reply.forced_tools
+            # The template writes BOS itself where the model wants it.
+            prompts.append(encode(text))
+            formats.append(reply)
+            chat_params.append(dataclasses.replace(sampling, **fields))
+        return [ChatOutput(**{f.name: getattr(output, f.name) for f in dataclasses.fields(output)},
+                           message=chat_reply.whole(reply, output.text))
+                for output, reply in zip(self.generate(prompts, chat_params), formats)]
 
-    def _render(self, template: ChatTemplate, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        text = template.render(messages, add_generation_prompt=True, tools=tools)
-        # The template writes BOS itself where the model wants it.
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+    @staticmethod
+    def _params_for(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * count
+        if len(params) != count:
+            raise LocalserveError(f"{len(params)} sampling params for {count} prompts")
+        return list(params)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -386,7 +386,7 @@ def test_both_backends_tell_thinking_from_the_answer(tmp_path) -> None:  # type:
     config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu")
     with running_server(config) as server:
         body = {"model": "stories", "messages": [user("Hi")], "temperature": 0, "max_tokens": 30,
-                "guided_regex": r"[a-z]{3,8}</think>Yes\."}
+                "max_reasoning_tokens": 6, "guided_regex": r"Yes\."}
         streamed = list(DaemonClient(server.url).stream_text("/v1/chat/completions", body))
     thinking = "".join(p for p in streamed if isinstance(p, Thinking))
-    assert thinking.isalpha() and "".join(p for p in streamed if not isinstance(p, Thinking)) == "Yes."
+    assert thinking and "".join(p for p in streamed if not isinstance(p, Thinking)) == "Yes."

@@ -1,17 +1,23 @@
 """Reasoning split from the answer for ``<think>`` models: the splitter on its own
 (streamed in pieces of every size equals split whole), and through the openai SDK on the
-stories260K model given a thinking template, its output steered by a regex so that it
-writes a think block (a story model never would)."""
+stories260K model given a thinking template, its block closed by a thinking budget (a story
+model never closes it) and its answer steered by a regex or a JSON schema, which hold the
+answer after the block, not the thinking; the Python API reads replies as the server does."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
+
+from localserve import LLM, OutputFormat, SamplingParams
 
 from localserve.chat.reply import ReplyFormat, whole
 from localserve.chat.reasoning import ReasoningSplitter, starts_inside, thinks
 
-from .server_util import stories_client
+from .server_util import stories_client, stories_with_template
 
 TEXTS = [
     ("<think>\nLet me see.</think>\n\nIt is 4.", False, ("\nLet me see.", "\n\nIt is 4.")),
@@ -49,7 +55,9 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
     "{% endif %}{# </think> #}"
 )
-STEER = {"guided_regex": r"[a-z]{3,12}</think>\n\n[A-Z][a-z]{2,8}\."}
+# The story model never closes the block itself: a budget closes it, and a regex (which
+# holds the answer only, after the block) steers the answer.
+STEER = {"max_reasoning_tokens": 8, "guided_regex": r"\n\n[A-Z][a-z]{2,8}\."}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +74,7 @@ def test_reasoning_content_whole_and_streamed(client: openai.OpenAI) -> None:
                                            extra_body=STEER)
     message = whole.choices[0].message
     thinking, answer = message.model_extra["reasoning_content"], message.content
-    assert thinking.isalpha() and answer.startswith("\n\n") and answer.endswith(".")
+    assert " " in thinking and answer.startswith("\n\n") and answer.endswith(".")  # the format held the answer only
     stream = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=40,
                                             extra_body=STEER, stream=True)
     pieces = {"reasoning_content": "", "content": ""}
@@ -109,3 +117,41 @@ def test_a_thinking_budget_closes_the_block(client: openai.OpenAI) -> None:
             thinking, answer = message.model_extra["reasoning_content"], message.content
         assert free.choices[0].message.model_extra["reasoning_content"].startswith(thinking) and thinking
         assert answer  # the story goes on after the forced </think>
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "enum": [3, 4, 5]}}, "required": ["answer"],
+          "additionalProperties": False}
+
+
+def test_a_format_holds_the_answer_after_the_thinking(client: openai.OpenAI) -> None:
+    """A JSON schema with a thinking budget: the thinking is free text, the answer after
+    the forced </think> validates; a required tool call comes after the thinking too."""
+    reply = client.chat.completions.create(
+        model="stories", messages=MESSAGES, temperature=0, max_tokens=60, extra_body={"max_reasoning_tokens": 8},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}})
+    message = reply.choices[0].message
+    assert " " in message.model_extra["reasoning_content"] and reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(message.content), ANSWER)
+    tool = {"type": "function", "function": {"name": "add", "parameters": ANSWER}}
+    called = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=60,
+                                            tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                            extra_body={"max_reasoning_tokens": 8})
+    message = called.choices[0].message
+    assert message.model_extra["reasoning_content"] and called.choices[0].finish_reason == "tool_calls"
+    [call] = message.tool_calls
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), ANSWER)
+
+
+def test_python_chat_reads_thinking_as_the_server_does(client: openai.OpenAI, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    llm = LLM(stories_with_template(tmp_path, THINKING_TEMPLATE), device="cpu", num_kv_blocks=64)
+    [out] = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=40, output_format=OutputFormat(
+        "regex", STEER["guided_regex"])), max_reasoning_tokens=STEER["max_reasoning_tokens"])
+    served = client.chat.completions.create(model="stories", messages=MESSAGES, temperature=0, max_tokens=40,
+                                            extra_body=STEER).choices[0].message
+    assert (out.message.reasoning_content, out.message.content) == \
+        (served.model_extra["reasoning_content"], served.content)
+    assert out.text == out.message.reasoning_content + "</think>" + out.message.content
+    [off] = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=8),
+                     chat_template_kwargs={"enable_thinking": False})
+    assert off.message.reasoning_content is None and off.message.content

@@ -13,6 +13,8 @@ import jsonschema
 import openai
 import pytest
 
+from localserve import LocalserveError
+
 from localserve.chat.tool_calls import PARSERS, ToolCallStream, forced_call_format, parse, parser_for_template
 
 from .server_util import stories_client
@@ -240,3 +242,28 @@ def test_server_options_choose_the_parsers(tmp_path) -> None:  # type: ignore[no
                                                   extra_body={"guided_regex": r"[a-z]{3,8}</think>Yes\."})
         message = thinking.choices[0].message
         assert "</think>" in message.content and "reasoning_content" not in (message.model_extra or {})
+
+
+def test_python_chat_reads_calls_as_the_server_does(client: openai.OpenAI, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """LLM.chat with tools: required and named choices, and auto reading the model's own
+    calls, give the calls the server gives."""
+    from localserve import LLM, OutputFormat, SamplingParams
+
+    from .server_util import stories_with_template
+
+    llm = LLM(stories_with_template(tmp_path, HERMES_STYLE), device="cpu", num_kv_blocks=64)
+    call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "unit": "celsius"\}\}\n</tool_call>'
+    asks = [({"tool_choice": "required"}, None), ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                                                  None), ({}, call)]
+    for choice, steer in asks:
+        params = SamplingParams(temperature=0, max_tokens=120, output_format=OutputFormat("regex", steer) if steer else None)
+        [out] = llm.chat(MESSAGES, params, tools=TOOLS, parallel_tool_calls=False, **choice)
+        served = client.chat.completions.create(model="stories", messages=MESSAGES, tools=TOOLS, temperature=0,
+                                                max_tokens=120, parallel_tool_calls=False, **choice,
+                                                extra_body={"guided_regex": steer} if steer else None).choices[0]
+        ours = [(c.name, c.arguments) for c in out.message.tool_calls]
+        assert ours and ours == [(c.function.name, c.function.arguments) for c in served.message.tool_calls]
+        assert out.message.content == served.message.content and out.finish_reason == "stop"
+        assert out.message.to_openai()["tool_calls"][0]["function"]["name"] == ours[0][0]
+    with pytest.raises(LocalserveError, match="not both"):
+        llm.chat(MESSAGES, SamplingParams(output_format=OutputFormat("json_object")), tools=TOOLS, tool_choice="required")

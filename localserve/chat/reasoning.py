@@ -11,6 +11,7 @@ output all answer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -64,6 +65,15 @@ class ReasoningSplitter:
         """What was held back, once the text is complete."""
         held, self.held = self.held, ""
         return (held, "") if self.inside and not self.done else ("", held)
+
+
+def end_tokens(encode: Callable[[str], list[int]]) -> tuple[int, ...]:
+    """The tokens of ``</think>`` as a model writes it mid-reply: a SentencePiece vocabulary
+    encodes a string on its own with a leading word marker, which mid-reply it would not
+    have. ``encode``: text -> ids, without special tokens added."""
+    base = encode("\n")
+    ids = encode("\n" + END)
+    return tuple(ids[len(base):] if ids[:len(base)] == base else encode(END))
 
 
 def partial_marker(text: str, marker: str) -> int:

@@ -4,9 +4,12 @@ streamed pieces add up to exactly the whole reply."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.structured_output import OutputFormat
+from ..text.chat_template import ChatTemplate
 from . import reasoning, tool_calls
 from .tool_calls import ToolCall
 
@@ -15,11 +18,11 @@ from .tool_calls import ToolCall
 class ReplyFormat:
     opens_thinking: bool | None = None  # None: no <think> blocks; else whether the output starts in one
     tool_parser: str | None = None  # tool_choice auto: the model's own call format
-    forced_tools: bool = False  # tool_choice required or named: the output is the calls' JSON
+    forced_tools: OutputFormat | None = None  # tool_choice required or named: the calls' JSON
     forced_name: str | None = None  # the named function: the output is its arguments
 
     def call_format(self) -> tool_calls.CallFormat | None:
-        if self.forced_tools:
+        if self.forced_tools is not None:
             return tool_calls.forced_call_format(self.forced_name)
         return tool_calls.PARSERS[self.tool_parser] if self.tool_parser is not None else None
 
@@ -88,6 +91,35 @@ class Reply:
     def thought(self) -> bool:
         """Whether a think block was seen (or opened by the prompt)."""
         return self.splitter is not None and self.splitter.inside
+
+
+def reply_format(template: ChatTemplate, prompt: str, tools: list[dict[str, Any]] | None,
+                 tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True,
+                 tool_parser: str = "auto", reasoning_parser: str = "auto") -> ReplyFormat:
+    """How a reply to ``prompt`` (rendered from ``template``) is read. ``tool_parser``: a
+    format, ``auto`` (the template's) or ``none``; ``reasoning_parser``: ``think``,
+    ``auto`` (when the template writes ``</think>``) or ``none``."""
+    thinks = reasoning_parser == "think" or (reasoning_parser == "auto" and reasoning.thinks(template.source))
+    forced = tool_calls.forced_format(tools, tool_choice, parallel_tool_calls) \
+        if tools and tool_choice not in (None, "none", "auto") else None
+    parser = None
+    if tools and tool_choice in (None, "auto") and tool_parser != "none":
+        parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or "")) \
+            if tool_parser == "auto" else tool_parser
+    return ReplyFormat(reasoning.starts_inside(prompt) if thinks else None, parser,
+                       forced[0] if forced else None, forced[1] if forced else None)
+
+
+def sampling_fields(reply_format: ReplyFormat, encode: Callable[[str], list[int]],
+                    max_reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """The SamplingParams fields a reply so read needs: the end of a think block the output
+    begins in (or that a budget will close), special tokens kept for a call parser."""
+    fields: dict[str, Any] = {}
+    if reply_format.opens_thinking is not None and (reply_format.opens_thinking or max_reasoning_tokens is not None):
+        fields.update(thinking_end=reasoning.end_tokens(encode), thinking_budget=max_reasoning_tokens)
+    if reply_format.tool_parser is not None:
+        fields["skip_special_tokens"] = False  # the call markers are special tokens in some vocabularies
+    return fields
 
 
 def whole(reply_format: ReplyFormat, text: str) -> AssistantMessage:

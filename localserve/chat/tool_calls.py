@@ -213,11 +213,25 @@ def _hermes(text: str, final: bool) -> tuple[int | None, list[_Seen]]:
     calls, at = [], start
     while at >= 0:
         body, whole = _region(text, at + len("<tool_call>"), "</tool_call>", final)
-        calls += _call_objects(body, 0, whole, ("arguments",), "")
+        found = _call_objects(body, 0, whole, ("arguments",), "")
+        calls += found or (_python_dict_call(body) if whole else [])
         if not whole:
             break
         at = text.find("<tool_call>", at + len("<tool_call>") + len(body))
     return start, calls
+
+
+def _python_dict_call(body: str) -> list[_Seen]:
+    """A call written as a Python dict (Hermes 2 Pro does: ``{'name': ..., 'arguments': {...}}``),
+    read with ``ast.literal_eval`` once its tag has closed; literals only."""
+    try:
+        value = ast.literal_eval(body.strip())
+        if isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] \
+                and isinstance(value.get("arguments", {}), dict):
+            return [_Seen(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))]
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        pass
+    return []
 
 
 def _llama3_json(text: str, final: bool) -> tuple[int | None, list[_Seen]]:
@@ -343,11 +357,19 @@ def _python_call(source: str) -> _Seen:
         raise _NotACall from exc
 
 
+_PYTHON_TAGS = ("<|python_start|>", "<|python_tag|>")
+
+
 def _pythonic(text: str, final: bool) -> tuple[int | None, list[_Seen]]:
-    """``[name(key=value, ...), ...]`` making up the reply (Llama 4 wraps it in
-    ``<|python_start|>...<|python_end|>``); each call is sent once it is whole."""
-    tag = text.find("<|python_start|>")
-    start, at = (tag, _skip(text, tag + len("<|python_start|>"))) if tag >= 0 else (0, _skip(text, 0))
+    """``[name(key=value, ...), ...]`` making up the reply (Llama 4 may wrap it in
+    ``<|python_start|>...<|python_end|>``, Llama 3.2 put ``<|python_tag|>`` before it); each
+    call is sent once it is whole."""
+    tags = [(at, tag) for tag in _PYTHON_TAGS if (at := text.find(tag)) >= 0]
+    if tags:
+        start, tag = min(tags)
+        at = _skip(text, start + len(tag))
+    else:
+        start, at = 0, _skip(text, 0)
     if at == len(text) or text[at] != "[":
         return None, []
     calls = []
@@ -382,7 +404,7 @@ PARSERS = {
     "llama3_json": CallFormat(_llama3_json, ("<|python_tag|>",), "{"),
     "mistral": CallFormat(_mistral, ("[TOOL_CALLS]",)),
     "deepseek": CallFormat(_deepseek, ("<｜tool▁calls▁begin｜>",)),
-    "pythonic": CallFormat(_pythonic, ("<|python_start|>",), "["),
+    "pythonic": CallFormat(_pythonic, _PYTHON_TAGS, "["),
 }
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .request import Request
 from .sampler import SamplerOutput, TokenLogprobs
+from .structured_output import Constraint
 
 
 @dataclass(slots=True)
@@ -77,19 +78,20 @@ class OutputProcessor:
         for i, request in enumerate(sampled):
             token = sampler_output.token_ids[i]
             request.token_ids.append(token)
+            constraint = request.active_constraint  # the one this token was sampled under
             _track_thinking(request, token)
             if request.first_token_time is None:
                 request.first_token_time = now
             if sampler_output.logprobs[i] is not None:
                 request.logprobs.append(sampler_output.logprobs[i])
             text = self._texts[request.request_id]
-            request.finish_reason = self._finish_reason(request, text, token)
+            request.finish_reason = self._finish_reason(request, text, token, constraint)
             if request.finish_reason is not None:
                 request.finish_time = now
             outputs.append(self._output(request, text))
         return outputs
 
-    def _finish_reason(self, request: Request, text: _Text, token: int) -> str | None:
+    def _finish_reason(self, request: Request, text: _Text, token: int, constraint: Constraint | None) -> str | None:
         params = request.params
         # The sampler keeps EOS and stop tokens out before min_tokens.
         stop_token = request.num_output_tokens >= params.min_tokens and (
@@ -99,7 +101,6 @@ class OutputProcessor:
         shown = not stop_token or params.include_stop_str_in_output
         piece = text.detokenizer.add(token) if text.detokenizer is not None and shown else ""
         text.decoded += piece
-        constraint = request.constraint
         if constraint is not None and (not constraint.accept(token) or constraint.finished):
             return "stop"  # the grammar is complete (or the token left it: an EOS it was told to ignore)
         if request.num_output_tokens < params.min_tokens:
@@ -162,15 +163,16 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 def _track_thinking(request: Request, token: int) -> None:
-    """Spend a thinking budget: once the request has written its budget of tokens with
-    the think block open, the tokens that close it are forced, one a step."""
+    """Follow the think block a request began in: closed by the model or, once it has
+    written its budget of tokens, by the closing tokens forced one a step."""
     if request.forced_token_ids and token == request.forced_token_ids[0]:
         request.forced_token_ids.pop(0)
     params = request.params
-    if params.thinking_budget is None or request.thinking_closed:
+    if not params.thinking_end or request.thinking_closed:
         return
     end = list(params.thinking_end)
     if request.output_token_ids[-len(end):] == end:
-        request.thinking_closed = True  # closed by the model, or by what was forced
-    elif request.num_output_tokens >= params.thinking_budget and not request.forced_token_ids:
+        request.thinking_closed = True
+    elif params.thinking_budget is not None and request.num_output_tokens >= params.thinking_budget \
+            and not request.forced_token_ids:
         request.forced_token_ids = end

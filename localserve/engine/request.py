@@ -46,12 +46,17 @@ class Request:
     num_preemptions: int = 0
     constraint: Constraint | None = None  # where a structured output's grammar stands
     forced_token_ids: list[int] = field(default_factory=list)  # the next tokens, whatever the model says
-    thinking_closed: bool = False  # its thinking budget no longer applies
+    thinking_closed: bool = False  # the think block it began in (params.thinking_end) is closed
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = []
+
+    @property
+    def active_constraint(self) -> Constraint | None:
+        """The grammar the next token must follow: none while the request thinks."""
+        return self.constraint if self.thinking_closed or not self.params.thinking_end else None
 
     @property
     def num_prompt_tokens(self) -> int:

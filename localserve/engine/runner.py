@@ -162,7 +162,7 @@ class ModelRunner:
         bucket = self.graphs.padded_size(batch.num_new_tokens) if self.graphs else None
         inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=bucket)
         # Structured outputs' masks are worked out on another thread while the model runs.
-        masks = self.structured.masks([r.constraint for r in inputs.to_sample]) if self.structured else None
+        masks = self.structured.masks([r.active_constraint for r in inputs.to_sample]) if self.structured else None
         if bucket is not None:
             hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:

@@ -31,10 +31,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     skip_special_tokens: bool = True
     output_format: OutputFormat | None = None  # structured output: what the text must match
-    # A thinking model's budget: after this many output tokens with its think block still
-    # open, the block's closing tokens (``thinking_end``) are forced, and the answer follows.
-    thinking_budget: int | None = None
+    # A thinking model whose output begins inside its think block: the tokens that close
+    # it. ``output_format`` then holds the answer after them, not the thinking; and with a
+    # budget, once this many tokens are out with the block still open, they are forced.
     thinking_end: tuple[int, ...] = ()
+    thinking_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -5,6 +5,7 @@ ending with ``data: [DONE]``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -19,12 +20,13 @@ from ..engine.async_engine import EngineDeadError, RequestStream
 from ..engine.output_processor import RequestOutput
 from ..engine.sampler import TokenLogprobs
 from ..errors import LocalserveError
-from . import generation as gen
-from ..chat import reasoning, reply as chat_reply, tool_calls
+from ..chat import reply as chat_reply
 from ..chat.messages import render_messages
 from ..chat.reply import ReplyFormat
+from . import generation as gen
 from .model_manager import LoadedModel, parse_keep_alive
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                       TokenizeRequest)
 from .state import state_of
 
 router = APIRouter()
@@ -95,14 +97,6 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
     return text
 
 
-def _continuation(model: LoadedModel, text: str) -> tuple[int, ...]:
-    """The tokens of ``text`` written after other text: a SentencePiece vocabulary encodes
-    a string on its own with a leading word marker, which mid-reply it would not have."""
-    base = model.encode("\n", add_special_tokens=False)
-    ids = model.encode("\n" + text, add_special_tokens=False)
-    return tuple(ids[len(base):] if ids[:len(base)] == base else model.encode(text, add_special_tokens=False))
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
     config = state_of(request).config
@@ -113,22 +107,13 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         nonlocal reply_format
         text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                             body.tools, body.template_variables())
-        template = model.chat_template()
-        thinks = config.reasoning_parser == "think" or (
-            config.reasoning_parser == "auto" and reasoning.thinks(template.source))
-        if body.max_reasoning_tokens is not None and thinks:
-            extra.update(thinking_budget=body.max_reasoning_tokens, thinking_end=_continuation(model, reasoning.END))
-        forced = body.forced_tools()
-        parser = None
-        if body.tools and body.tool_choice in (None, "auto") and config.tool_parser != "none":
-            parser = tool_calls.parser_for_template(template.source + (template.tool_use_source or "")) \
-                if config.tool_parser == "auto" else config.tool_parser
-        if parser is not None:
-            extra["skip_special_tokens"] = False  # the call markers are special tokens in some vocabularies
-        reply_format = ReplyFormat(reasoning.starts_inside(text) if thinks else None, parser, forced is not None,
-                                   forced[1] if forced else None)
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+        reply_format = chat_reply.reply_format(model.chat_template(), text, body.tools, choice,
+                                               body.parallel_tool_calls, config.tool_parser, config.reasoning_parser)
+        encode = functools.partial(model.encode, add_special_tokens=False)
+        extra.update(chat_reply.sampling_fields(reply_format, encode, body.max_reasoning_tokens))
         # The template writes BOS itself where the model wants it.
-        return [model.encode(text, add_special_tokens=False)]
+        return [encode(text)]
 
     def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
         return _ChatShaper(model, body, choices, reply_format)
