@@ -1,4 +1,4 @@
-"""What /api/stats tells the dashboard beyond the engine's counters: uptime, the host,
+"""What /api/localserve/stats tells the dashboard beyond the engine's counters: uptime, the host,
 each model's format and quantization, latency percentiles, and the event log."""
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from .server_util import running_server, small_engine_config
 
 
 def events(url: str) -> list[dict]:
-    return httpx.get(f"{url}/api/stats").json()["events"]
+    return httpx.get(f"{url}/api/localserve/stats").json()["events"]
 
 
 def test_stats_describe_the_host_the_models_and_what_happened(tmp_path: Path) -> None:
     config = ServerConfig(models={"stories": STORIES_HF}, preload=["stories"], registry_home=tmp_path / "home",
                           engine=small_engine_config(), device="cpu")
     with running_server(config) as server:
-        stats = httpx.get(f"{server.url}/api/stats").json()
+        stats = httpx.get(f"{server.url}/api/localserve/stats").json()
         assert stats["uptime_s"] >= 0 and stats["started_at"].endswith("+00:00")
         host = stats["host"]
         assert host["device"] == "cpu" and host["device_name"] and host["gpus"] == []
@@ -44,7 +44,7 @@ def test_stats_describe_the_host_the_models_and_what_happened(tmp_path: Path) ->
         assert [(e["kind"], e["model"]) for e in events(server.url)[1:]] == [("pull", "fresh:latest")]
         open_registry(tmp_path / "home").remove("fresh")
         assert events(server.url)[-1]["kind"] == "remove"  # noticed at the next look
-        httpx.post(f"{server.url}/api/unload", json={"model": "stories"})
+        httpx.post(f"{server.url}/api/localserve/unload", json={"model": "stories"})
         later = events(server.url)
         assert [(e["kind"], e["model"]) for e in later[1:]] == [("pull", "fresh:latest"), ("remove", "fresh:latest"),
                                                                  ("unload", "stories")]

@@ -90,13 +90,13 @@ def test_keep_alive_per_request(model_path: Path) -> None:
 def test_admin_load_unload_stats(model_path: Path) -> None:
     with running_server(config_for(model_path)) as server:
         url = server.url
-        response = httpx.post(f"{url}/api/load", json={"model": "a", "keep_alive": "10m"}, timeout=60)
+        response = httpx.post(f"{url}/api/localserve/load", json={"model": "a", "keep_alive": "10m"}, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["keep_alive_s"] == 600.0
         assert response.json()["memory"]["kv_cache_bytes"] > 0
         assert complete(url, "a").status_code == 200
         time.sleep(0.3)
-        stats = httpx.get(f"{url}/api/stats").json()
+        stats = httpx.get(f"{url}/api/localserve/stats").json()
         assert stats["known_models"] == ["a", "b"] and stats["ready"] is True
         (model,) = stats["models"]
         # One schema: the engine's typed snapshot, every field by its name.
@@ -104,10 +104,10 @@ def test_admin_load_unload_stats(model_path: Path) -> None:
         assert model["engine"]["num_generated_tokens_total"] >= 3
         assert model["engine"]["generation_tokens_per_s"] > 0
         assert model["recent"]["requests"] == 1 and model["recent"]["ttft_ms_p50"] > 0
-        assert httpx.post(f"{url}/api/unload", json={"model": "a"}).json() == {"model": "a", "unloaded": True}
+        assert httpx.post(f"{url}/api/localserve/unload", json={"model": "a"}).json() == {"model": "a", "unloaded": True}
         assert loaded(url) == []
-        assert httpx.post(f"{url}/api/unload", json={"model": "zz"}).status_code == 404
-        assert httpx.post(f"{url}/api/load", json={"model": "zz"}).status_code == 404
+        assert httpx.post(f"{url}/api/localserve/unload", json={"model": "zz"}).status_code == 404
+        assert httpx.post(f"{url}/api/localserve/load", json={"model": "zz"}).status_code == 404
         assert httpx.get(f"{url}/api/version").json()["version"]
 
 

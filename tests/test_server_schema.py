@@ -34,7 +34,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case, server) -> None:  # type: ignore[no-untyped-def]
     if isinstance(case.body, dict):
-        if "model" in case.body and case.operation.path != "/api/unload":
+        if "model" in case.body and case.operation.path != "/api/localserve/unload":
             case.body["model"] = "stories"  # unknown names are one 404; the sampling fields are the surface
         case.body.update({key: value for key, value in _SMALL.items() if key in case.body or key == "max_tokens"})
         if isinstance(case.body.get("prompt"), list):

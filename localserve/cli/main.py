@@ -445,7 +445,7 @@ def stop(model: str) -> None:
     """Unload MODEL from the daemon now (requests still running on it end with an error)."""
     from ..client import DaemonClient
 
-    answer = DaemonClient().post("/api/unload", {"model": model})
+    answer = DaemonClient().post("/api/localserve/unload", {"model": model})
     click.echo(f"stopped {answer['model']}" if answer["unloaded"] else f"{answer['model']} was not loaded")
 
 

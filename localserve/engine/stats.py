@@ -1,6 +1,6 @@
 """What an engine reports about itself: ``EngineStats``, one typed snapshot that the
 engine fills, the AsyncEngine completes with token rates, ``/metrics`` reads field by
-field, ``/api/stats`` serializes (``as_dict``) and the dashboard reads back
+field, ``/api/localserve/stats`` serializes (``as_dict``) and the dashboard reads back
 (``from_dict``). A renamed field breaks its readers at once, not silently."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class EngineStats:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> EngineStats | None:
-        """The snapshot ``as_dict`` wrote (read back from ``/api/stats``), or None when a
+        """The snapshot ``as_dict`` wrote (read back from ``/api/localserve/stats``), or None when a
         field is missing or of another type (a daemon of another version). Fields with a
         default may be absent, and keys this version does not know are ignored."""
         values: dict[str, object] = {}

@@ -1,4 +1,4 @@
-"""Every error the server returns, in OpenAI's JSON shape.
+"""Every error the server returns, in OpenAI's JSON shape (Ollama's on its routes).
 
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 (404 for an
 unknown model), a full queue a 429 and a model that cannot serve yet a 503, both with
@@ -7,7 +7,9 @@ Retry-After. Only a bug is a 500, and its message says so without leaking intern
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -90,9 +92,28 @@ def _note_error(request: Request, message: str) -> None:
     request.app.state.localserve.events.add("error", None, message[:300])
 
 
+def _ollama_route(path: str) -> bool:
+    return path.startswith("/api/") and not path.startswith("/api/localserve/")
+
+
+def _in_the_routes_shape(handler: Callable[[Request, Exception], JSONResponse]) -> Callable[[Request, Exception], JSONResponse]:
+    """Errors of Ollama's routes in Ollama's shape, ``{"error": message}``, with the same
+    status and Retry-After; every other route's in OpenAI's."""
+
+    def handle(request: Request, exc: Exception) -> JSONResponse:
+        response = handler(request, exc)
+        if not _ollama_route(request.url.path):
+            return response
+        message = json.loads(bytes(response.body))["error"]["message"]
+        kept = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+        return JSONResponse({"error": message}, status_code=response.status_code, headers=kept)
+
+    return handle
+
+
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(LocalserveError, _localserve_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(EngineDeadError, _engine_error)
-    app.add_exception_handler(Exception, _bug)
+    app.add_exception_handler(RequestValidationError, _in_the_routes_shape(_validation_error))
+    app.add_exception_handler(LocalserveError, _in_the_routes_shape(_localserve_error))
+    app.add_exception_handler(HTTPException, _in_the_routes_shape(_http_error))
+    app.add_exception_handler(EngineDeadError, _in_the_routes_shape(_engine_error))
+    app.add_exception_handler(Exception, _in_the_routes_shape(_bug))

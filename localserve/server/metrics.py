@@ -1,4 +1,4 @@
-"""Prometheus metrics (``GET /metrics``) and the recent latencies ``/api/stats`` shows.
+"""Prometheus metrics (``GET /metrics``) and the recent latencies ``/api/localserve/stats`` shows.
 
 Engine counters and gauges are read from each loaded model's statistics snapshot at
 scrape time (a model's series disappear when it unloads, as a restarted process's
@@ -23,7 +23,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
                     40.0, 80.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                       1.0, 2.5)
-_RECENT = 200  # finished requests kept per model for /api/stats
+_RECENT = 200  # finished requests kept per model for /api/localserve/stats
 
 # (EngineStats field, metric name, help)
 _GAUGES = [

@@ -26,10 +26,10 @@ class HttpStatsSource:
         return self.client.url
 
     def stats(self) -> dict[str, Any]:
-        answer = self.client.get("/api/stats")
+        answer = self.client.get("/api/localserve/stats")
         if not isinstance(answer, dict):
-            raise ValueError(f"/api/stats answered {type(answer).__name__}, not an object")
+            raise ValueError(f"/api/localserve/stats answered {type(answer).__name__}, not an object")
         return answer
 
     def unload(self, name: str) -> dict[str, Any]:
-        return self.client.post("/api/unload", {"model": name})
+        return self.client.post("/api/localserve/unload", {"model": name})

@@ -1,4 +1,4 @@
-"""What `localserve top` shows, computed from the daemon's ``/api/stats`` snapshots.
+"""What `localserve top` shows, computed from the daemon's ``/api/localserve/stats`` snapshots.
 
 Plain functions and small classes, no textual: the app only places these strings on
 screen, so the logic (rates, windows, dedup, sorting, formatting) is tested here without
