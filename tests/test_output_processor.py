@@ -60,9 +60,21 @@ def test_deltas_add_up_to_the_text_cut_at_the_stop_string(engine: Engine, unstop
                                             include_stop_str_in_output=include))
     final = outputs[-1]
     assert final.finished and final.finish_reason == "stop" and final.text == full[:cut]
+    assert final.stop_string == stop and all(o.stop_string is None for o in outputs[:-1])
     assert "".join(o.delta for o in outputs) == final.text
     for output in outputs:  # nothing shown is ever taken back
         assert final.text.startswith(output.text)
+
+
+def test_the_earliest_stop_string_is_the_one_named(engine: Engine, unstopped: list[RequestOutput]) -> None:
+    """Of several stop strings, the output names the one the text was cut at: the one
+    that begins first, wherever it is in the list."""
+    full = unstopped[-1].text
+    assert full.index("Lily") < full.index("park")
+    [final] = [o for o in _steps(engine, SamplingParams(temperature=0, max_tokens=48, stop=["park", "zzz", "Lily"]))
+               if o.finished]
+    assert final.stop_string == "Lily" and final.text == full[:full.index("Lily")]
+    assert unstopped[-1].stop_string is None and unstopped[-1].finish_reason == "length"
 
 
 def test_a_stop_string_that_never_begins_holds_nothing_back(engine: Engine, unstopped: list[RequestOutput]) -> None:

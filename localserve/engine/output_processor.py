@@ -40,6 +40,9 @@ class RequestOutput:
     first_scheduled_time: float | None
     first_token_time: float | None
     finish_time: float | None  # None until finished
+    # The stop string the text was cut at, when one ended the request (Anthropic's API
+    # names it in its answer; the text alone cannot tell which of several matched).
+    stop_string: str | None = None
 
 
 @dataclass(slots=True)
@@ -50,6 +53,7 @@ class _Text:
     detokenizer: IncrementalDetokenizer | None
     decoded: str = ""
     shown: int = 0
+    stop: str | None = None  # the stop string it was cut at
 
 
 class OutputProcessor:
@@ -122,6 +126,7 @@ class OutputProcessor:
         if not found:
             return False
         index, stop = min(found)
+        text.stop = stop
         text.decoded = text.decoded[: index + len(stop) if request.params.include_stop_str_in_output else index]
         return True
 
@@ -146,6 +151,7 @@ class OutputProcessor:
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finish_time=request.finish_time,
+            stop_string=text.stop,
         )
 
 
