@@ -1,6 +1,10 @@
 """OpenAI's endpoints: /v1/models, /v1/chat/completions, /v1/completions, and vLLM's
 /tokenize and /detokenize. Streams are server-sent events, one per generated chunk,
-ending with ``data: [DONE]``."""
+ending with ``data: [DONE]``.
+
+What other APIs that take chat messages share (anthropic_api.py): ``ChatPrompt`` renders
+a chat request and says how its reply is read, ``generate`` runs it and answers whole or
+as a stream framed by an ``EventFormat``."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +29,7 @@ from ..chat import reply as chat_reply
 from ..chat.messages import render_messages
 from ..chat.reply import ReplyFormat
 from . import generation as gen
+from .config import ServerConfig
 from .model_manager import LoadedModel, parse_keep_alive
 from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, NamedToolChoice,
                        TokenizeRequest)
@@ -50,7 +56,7 @@ def _wait_seconds(request: Request) -> float | None:
     return None
 
 
-async def _acquire(request: Request, name: str) -> LoadedModel:
+async def acquire(request: Request, name: str) -> LoadedModel:
     return await state_of(request).manager.acquire(name, _wait_seconds(request))
 
 
@@ -97,40 +103,92 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
     return text
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-    config = state_of(request).config
-    reply_format = ReplyFormat()
-    extra: dict[str, Any] = {}
+class ChatPrompt:
+    """A chat request made ready for one model: ``ids`` renders it with the model's template
+    and works out how the reply is read (``reply_format``: thinking, tool calls) and the
+    SamplingParams fields that reading needs (``sampling``). Every endpoint that takes chat
+    messages goes through here, so that they render and read replies alike."""
 
-    def prompts(model: LoadedModel) -> list[list[int]]:
-        nonlocal reply_format
+    def __init__(self, body: ChatCompletionRequest, config: ServerConfig) -> None:
+        self.body, self.config = body, config
+        self.reply_format = ReplyFormat()
+        self.sampling: dict[str, Any] = {}  # filled in by ids()
+
+    def ids(self, model: LoadedModel) -> list[int]:
+        body = self.body
         text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                             body.tools, body.template_variables())
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-        reply_format = chat_reply.reply_format(model.chat_template(), text, body.tools, choice,
-                                               body.parallel_tool_calls, config.tool_parser, config.reasoning_parser)
+        self.reply_format = chat_reply.reply_format(model.chat_template(), text, body.tools, choice,
+                                                    body.parallel_tool_calls, self.config.tool_parser,
+                                                    self.config.reasoning_parser)
         encode = functools.partial(model.encode, add_special_tokens=False)
-        extra.update(chat_reply.sampling_fields(reply_format, encode, body.max_reasoning_tokens))
+        self.sampling.update(chat_reply.sampling_fields(self.reply_format, encode, body.max_reasoning_tokens))
         # The template writes BOS itself where the model wants it.
-        return [encode(text)]
+        return encode(text)
 
-    def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _ChatShaper:
-        return _ChatShaper(model, body, choices, reply_format)
-
-    return await _generate(request, body, prompts, shaper, extra)
+    def prompts(self, model: LoadedModel) -> list[list[int]]:
+        return [self.ids(model)]
 
 
-async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
-                    prompts: Callable[[LoadedModel], list[list[int]]],
-                    shaper: Callable[[LoadedModel, list[gen.Choice]], _ChatShaper | _CompletionShaper],
-                    extra: dict[str, Any] | None = None) -> Response:
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    prompt = ChatPrompt(body, state_of(request).config)
+    return await generate(request, body, prompt.prompts,
+                          lambda model, choices: _ChatShaper(model, body, choices, prompt.reply_format),
+                          prompt.sampling)
+
+
+class Shaper(Protocol):
+    """Makes an endpoint's answers from its choices' outputs."""
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The whole body, from each choice's final output."""
+        ...
+
+    def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        """The stream's events, from (choice index, output) as they come."""
+        ...
+
+
+def _sse_frame(data: dict, name: str | None) -> bytes:
+    head = f"event: {name}\n".encode() if name is not None else b""
+    return head + b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class EventFormat:
+    """How a stream frames its events. ``name``: an event's ``event:`` line (None: none);
+    ``error``: the event an error mid-stream is sent as, from its message and whether it
+    is the server's fault; ``end``: what follows the last event; ``frame``: an event's
+    bytes from its data and name (server-sent events unless given: Ollama's are NDJSON)."""
+
+    name: Callable[[dict], str | None]
+    error: Callable[[str, bool], dict]
+    end: bytes
+    frame: Callable[[dict, str | None], bytes] = _sse_frame
+    media_type: str = "text/event-stream"
+
+
+# OpenAI's: data lines only, an error as its error object, then data: [DONE]
+OPENAI_EVENTS = EventFormat(
+    name=lambda data: None,
+    error=lambda message, server: {"error": {"message": message,
+                                             "type": "server_error" if server else "invalid_request_error",
+                                             "param": None, "code": None}},
+    end=b"data: [DONE]\n\n")
+
+
+async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
+                   prompts: Callable[[LoadedModel], list[list[int]]],
+                   shaper: Callable[[LoadedModel, list[gen.Choice]], Shaper],
+                   extra: dict[str, Any] | None = None, events: EventFormat = OPENAI_EVENTS) -> Response:
     """Acquire the model, run every choice, answer as one body or a stream of events;
     the model is released when the response ends, however it ends. ``extra``: SamplingParams
     fields ``prompts`` works out as it renders (filled in by the time it returns)."""
     keep_alive = parse_keep_alive(body.keep_alive)
     state = state_of(request)
-    model = await _acquire(request, body.model)
+    model = await acquire(request, body.model)
     released = False
     try:
         # Rendering and tokenizing take time in proportion to the prompt: off the event loop.
@@ -141,7 +199,7 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
         if body.stream:
             released = True  # by the stream, when it ends
             return _sse(shape.chunks(gen.merged(streams, progress)), streams,
-                        lambda: state.manager.release(model, keep_alive))
+                        lambda: state.manager.release(model, keep_alive), events)
         return JSONResponse(shape.response(await gen.final_outputs(request, streams, progress)))
     except gen.ClientGone:
         return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
@@ -273,27 +331,26 @@ class _Sent:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events that end with ``data: [DONE]``. However the response ends
-    (completed, client gone before or during the stream), ``on_close`` runs once: it
-    aborts what is unfinished and releases the model."""
+    """Events framed by ``events``. However the response ends (completed,
+    client gone before or during the stream), ``on_close`` runs once: it aborts what is
+    unfinished and releases the model."""
 
-    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]) -> None:
-        super().__init__(self._events(chunks), media_type="text/event-stream",
+    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None], events: EventFormat) -> None:
+        super().__init__(self._events(chunks, events), media_type=events.media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
     @staticmethod
-    async def _events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async def _events(chunks: AsyncIterator[dict], events: EventFormat) -> AsyncIterator[bytes]:
         try:
             async for data in chunks:
-                yield b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+                yield events.frame(data, events.name(data))
         except (LocalserveError, EngineDeadError) as exc:
-            # Headers are out: report in-band, as OpenAI's servers do mid-stream. An engine
-            # that ended the request (unloaded, the drain timed out, failed) is the server's.
-            kind = "server_error" if isinstance(exc, EngineDeadError) else "invalid_request_error"
-            error = {"error": {"message": str(exc), "type": kind, "param": None, "code": None}}
-            yield b"data: " + json.dumps(error).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            # Headers are out: report in-band, as OpenAI's and Anthropic's servers do mid-stream.
+            # An engine that ended the request (unloaded, the drain timed out, failed) is the server's.
+            error = events.error(str(exc), isinstance(exc, EngineDeadError))
+            yield events.frame(error, events.name(error))
+        yield events.end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -302,13 +359,14 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream], release: Callable[[], None]) -> _EventStream:
+def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream], release: Callable[[], None],
+         events: EventFormat) -> _EventStream:
     def on_close() -> None:
         for stream in streams:
             stream.close()
         release()
 
-    return _EventStream(chunks, on_close)
+    return _EventStream(chunks, on_close, events)
 
 
 # -- text completions ---------------------------------------------------------------------
@@ -322,8 +380,8 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     def prompts(model: LoadedModel) -> list[list[int]]:
         return [model.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
 
-    return await _generate(request, body, prompts,
-                           lambda model, choices: _CompletionShaper(model, body, choices, texts))
+    return await generate(request, body, prompts,
+                          lambda model, choices: _CompletionShaper(model, body, choices, texts))
 
 
 class _CompletionShaper(_Shaper):
@@ -410,7 +468,7 @@ class _CompletionShaper(_Shaper):
 
 @router.post("/tokenize")
 async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
-    model = await _acquire(request, body.model)
+    model = await acquire(request, body.model)
     try:
         if body.messages is not None:
             text = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
@@ -424,7 +482,7 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
-    model = await _acquire(request, body.model)
+    model = await acquire(request, body.model)
     try:
         if any(token >= model.vocab_size for token in body.tokens):
             raise LocalserveError(f"token ids must be in [0, {model.vocab_size})")
