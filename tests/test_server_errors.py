@@ -151,13 +151,16 @@ def test_api_key(model_path) -> None:  # type: ignore[no-untyped-def]
         url = server.url
         assert httpx.get(url + "/health").status_code == 200  # no key needed
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Basic s3cret"}):
+                        {"Authorization": "Basic s3cret"}, {"x-api-key": "wrong"}, {"x-api-key": ""},
+                        {"x-api-key": "Bearer s3cret"}):
             assert_openai_error(httpx.get(url + "/v1/models", headers=headers), 401)
             assert_openai_error(httpx.get(url + "/metrics", headers=headers), 401)
             assert_openai_error(httpx.post(url + "/v1/completions", json=COMPLETION, headers=headers), 401)
-        good = {"Authorization": "Bearer s3cret"}
-        assert httpx.get(url + "/v1/models", headers=good).status_code == 200
-        assert httpx.post(url + "/v1/completions", json=COMPLETION, headers=good).status_code == 200
+        # Bearer as OpenAI's clients send it, x-api-key as Anthropic's do; either one right is enough
+        for good in ({"Authorization": "Bearer s3cret"}, {"x-api-key": "s3cret"},
+                     {"x-api-key": "wrong", "Authorization": "Bearer s3cret"}):
+            assert httpx.get(url + "/v1/models", headers=good).status_code == 200
+            assert httpx.post(url + "/v1/completions", json=COMPLETION, headers=good).status_code == 200
 
 
 def test_host_header_must_be_loopback(server) -> None:  # type: ignore[no-untyped-def]

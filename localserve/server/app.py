@@ -17,7 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
-from . import admin_api, errors, ollama_models, openai_api
+from . import admin_api, anthropic_api, errors, ollama_models, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
 from .catalog import ModelCatalog
@@ -27,6 +27,10 @@ from .model_manager import ManagerOptions, ModelManager
 from .state import ServerState
 
 log = logging.getLogger(__name__)
+
+# What the anthropic SDK sends from a browser: its key, API version and beta flags, and
+# the header it needs to run in one at all.
+ANTHROPIC_HEADERS = ["x-api-key", "anthropic-version", "anthropic-beta", "anthropic-dangerous-direct-browser-access"]
 
 
 def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
@@ -80,13 +84,14 @@ def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | 
     app.state.localserve = state
     errors.install(app)
     app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
     app.include_router(admin_api.router)
     app.include_router(ollama_models.router)
     app.add_middleware(Guard, state=guard)  # type: ignore[arg-type]
     if config.cors_origins:
         # Outermost, so browsers' preflight requests are answered before the key check.
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"],  # type: ignore[arg-type]
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", *ANTHROPIC_HEADERS])
     return app
 
 

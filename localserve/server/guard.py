@@ -2,19 +2,23 @@
 
 In order: the Host header (a server bound to loopback answers only to loopback
 names, which defeats DNS rebinding: a web page cannot reach it through a name it
-controls), draining (503 once SIGTERM arrived), the API key (constant-time compare;
-/health needs none), and the body (JSON only, bounded in size). A plain ASGI
-middleware, so it costs one function call per request.
+controls), draining (503 once SIGTERM arrived), the API key (``Authorization: Bearer
+KEY`` as OpenAI's clients send it or ``x-api-key: KEY`` as Anthropic's do; constant-time
+compare; /health needs none), and the body (JSON only, bounded in size). A plain ASGI
+middleware, so it costs one function call per request. Refusals come in the error shape
+of the API asked (Anthropic's on its routes).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from .anthropic_protocol import error_body, is_messages_path
 from .errors import error_bytes
 
 Scope = MutableMapping[str, Any]
@@ -68,13 +72,13 @@ class Guard:
         refusal = self._refusal(scope, headers)
         if refusal is not None:
             status, message, kind, extra = refusal
-            await _respond(send, status, error_bytes(status, message, kind), extra)
+            await _respond(send, status, _error(scope["path"], status, message, kind), extra)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(receive, headers)
             if isinstance(body, tuple):
                 status, message = body
-                await _respond(send, status, error_bytes(status, message, "invalid_request_error"), [])
+                await _respond(send, status, _error(scope["path"], status, message, "invalid_request_error"), [])
                 return
             receive = _replay(body, receive)
         self.state.in_flight += 1
@@ -90,14 +94,17 @@ class Guard:
         if self.state.draining and path not in DRAIN_EXEMPT_PATHS:
             return 503, "the server is shutting down", "service_unavailable", [(b"retry-after", b"5")]
         if self._key is not None and path not in UNGUARDED_PATHS and not self._authorized(headers):
-            return 401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error", [
-                (b"www-authenticate", b"Bearer")]
+            return 401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)", \
+                "authentication_error", [(b"www-authenticate", b"Bearer")]
         return None
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        return hmac.compare_digest(given, self._key or b"")
+        bearer = token.strip().encode() if scheme.lower() == "bearer" else b""
+        api_key = headers.get("x-api-key", "").strip().encode()
+        # Both compared, whichever is given, so the time taken tells nothing.
+        matches = [hmac.compare_digest(given, self._key or b"") for given in (bearer, api_key)]
+        return any(matches)
 
     async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes | tuple[int, str]:
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
@@ -119,6 +126,12 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _error(path: str, status: int, message: str, kind: str) -> bytes:
+    if is_messages_path(path):
+        return json.dumps(error_body(status, message)).encode()
+    return error_bytes(status, message, kind)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -1,0 +1,212 @@
+"""Anthropic's Messages API: POST /v1/messages, whole or streamed as Anthropic's named
+events, and POST /v1/messages/count_tokens, answered as Anthropic documents them so that
+the anthropic SDK works unchanged. A request is made into the OpenAI chat request it
+amounts to (anthropic_protocol.py) and rendered, run and read by the code that serves
+/v1/chat/completions (openai_api.ChatPrompt and generate); only the answer's shape is
+Anthropic's. Errors on these routes come in Anthropic's shape too."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+
+from ..chat import reply as chat_reply
+from ..chat.partial_json import object_so_far
+from ..chat.reply import ReplyFormat
+from ..engine.output_processor import RequestOutput
+from . import generation as gen
+from .anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
+from .openai_api import ChatPrompt, EventFormat, acquire, generate
+from .state import state_of
+
+
+class _AnthropicRoute(APIRoute):
+    """A route whose errors (bad bodies included: FastAPI validates them inside the route)
+    are answered by the app's handlers (errors.py: status, message, logging) and reshaped
+    into Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return await _anthropic_error(request, exc)
+
+        return handle
+
+
+async def _anthropic_error(request: Request, exc: Exception) -> Response:
+    handlers = request.app.exception_handlers
+    handler = next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)
+    if handler is None:
+        raise exc
+    answer = handler(request, exc)
+    response = await answer if inspect.isawaitable(answer) else answer
+    message = json.loads(bytes(response.body))["error"]["message"]
+    kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "www-authenticate")}
+    return JSONResponse(error_body(response.status_code, message), status_code=response.status_code, headers=kept)
+
+
+router = APIRouter(route_class=_AnthropicRoute)
+
+# Anthropic's stream: each event named by its type; an error is an ``error`` event; no end marker
+ANTHROPIC_EVENTS = EventFormat(
+    name=lambda data: data["type"],
+    error=lambda message, server: error_body(500 if server else 400, message),
+    end=b"")
+
+
+@router.post("/v1/messages")
+async def messages(request: Request, body: MessagesRequest) -> Response:
+    chat = body.chat_request()
+    prompt = ChatPrompt(chat, state_of(request).config)
+    return await generate(request, chat, prompt.prompts,
+                          lambda model, choices: _MessageShaper(body.model, choices[0], prompt.reply_format),
+                          prompt.sampling, events=ANTHROPIC_EVENTS)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, body: CountTokensRequest) -> dict[str, int]:
+    prompt = ChatPrompt(body.chat_request(), state_of(request).config)
+    model = await acquire(request, body.model)
+    try:
+        return {"input_tokens": len(await asyncio.to_thread(prompt.ids, model))}
+    finally:
+        state_of(request).manager.release(model)
+
+
+class _Blocks:
+    """Turns a reply's delta fields (chat.reply.Reply's: thinking, text, tool call pieces)
+    into Anthropic's content block events, one block open at a time. Text that is only
+    whitespace waits for more before it opens a block: before tool calls it is dropped, as
+    a whole reply drops it (chat.reply.whole)."""
+
+    def __init__(self) -> None:
+        self.index = -1  # the open block's
+        self.open: str | None = None  # its type
+        self.spaces = ""  # whitespace not in a block yet
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if thinking := delta.get("reasoning_content"):
+            if self.open != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
+        if text := delta.get("content"):
+            events += self._text(text)
+        for piece in delta.get("tool_calls", []):
+            if "id" in piece:  # a call's head: its id and name, then its arguments in pieces
+                events += self._start({"type": "tool_use", "id": _tool_use_id(piece["id"]),
+                                       "name": piece["function"]["name"], "input": {}})
+            if arguments := piece["function"].get("arguments"):
+                events.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+        return events
+
+    def close(self, called: bool) -> list[dict[str, Any]]:
+        """The last events once the reply is complete (``called``: it holds tool calls)."""
+        events = [] if called or not self.spaces else self._text("", flush=True)
+        if self.open is not None:
+            events.append({"type": "content_block_stop", "index": self.index})
+            self.open = None
+        return events
+
+    def _text(self, text: str, flush: bool = False) -> list[dict[str, Any]]:
+        if self.open == "text":
+            return [self._delta({"type": "text_delta", "text": text})]
+        text, self.spaces = self.spaces + text, ""
+        if not (text.strip() or flush):
+            self.spaces = text
+            return []
+        return [*self._start({"type": "text", "text": ""}), self._delta({"type": "text_delta", "text": text})]
+
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        events = [{"type": "content_block_stop", "index": self.index}] if self.open is not None else []
+        self.index += 1
+        self.open = block["type"]
+        return events + [{"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _content(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The content blocks a stream's events add up to (a tool_use's input: the object its
+    JSON pieces hold, as far as they go when max_tokens cut the call short)."""
+    blocks: list[dict[str, Any]] = []
+    arguments: dict[int, str] = {}
+    for event in events:
+        if event["type"] == "content_block_start":
+            blocks.append(dict(event["content_block"]))
+        elif event["type"] == "content_block_delta":
+            block, delta = blocks[event["index"]], event["delta"]
+            if delta["type"] == "input_json_delta":
+                arguments[event["index"]] = arguments.get(event["index"], "") + delta["partial_json"]
+            else:
+                field = "text" if delta["type"] == "text_delta" else "thinking"
+                block[field] += delta[field]
+    for index, text in arguments.items():
+        blocks[index]["input"] = object_so_far(text)
+    return blocks
+
+
+def _stop(output: RequestOutput, called: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence. A reply that ends on tool calls is
+    ``tool_use``, as the OpenAI endpoint's is ``tool_calls``."""
+    if output.finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if output.stop_string is not None:
+        return "stop_sequence", output.stop_string
+    return "end_turn", None
+
+
+class _MessageShaper:
+    """Builds /v1/messages bodies and stream events for one reply. Both read the text
+    through the same Reply and _Blocks, so a stream's events add up to the whole body."""
+
+    def __init__(self, model_name: str, choice: gen.Choice, reply_format: ReplyFormat) -> None:
+        self.model_name, self.choice, self.reply_format = model_name, choice, reply_format
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+
+    def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
+                output_tokens: int) -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model_name,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1],
+                "usage": {"input_tokens": len(self.choice.prompt_ids), "output_tokens": output_tokens}}
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        [output] = outputs
+        reply, blocks = chat_reply.Reply(self.reply_format), _Blocks()
+        events = blocks.feed(reply.feed(output.text)) + blocks.feed(reply.finish())
+        called = bool(reply.tool_calls)
+        return self.message(_content(events + blocks.close(called)), _stop(output, called), len(output.token_ids))
+
+    async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        yield {"type": "message_start", "message": self.message([], (None, None), 0)}
+        reply, blocks = chat_reply.Reply(self.reply_format), _Blocks()
+        async for _, output in outputs:
+            for event in blocks.feed(reply.feed(output.delta)):
+                yield event
+            if output.finished:
+                called = bool(reply.tool_calls)
+                for event in blocks.feed(reply.finish()) + blocks.close(called):
+                    yield event
+                stop_reason, stop_sequence = _stop(output, called)
+                yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                       "usage": {"output_tokens": len(output.token_ids)}}
+                yield {"type": "message_stop"}
