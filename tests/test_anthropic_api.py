@@ -377,6 +377,8 @@ def test_errors_come_in_anthropics_shape(claude: anthropic.Anthropic, server: Ru
     assert "JSON" in anthropic_error(httpx.post(url, content=b'{"model": ', headers={
         "content-type": "application/json"}), 400, "invalid_request_error")
     anthropic_error(httpx.post(url, content=b"{}"), 415, "invalid_request_error")  # refused by the guard
+    anthropic_error(httpx.get(url), 405, "invalid_request_error")
+    anthropic_error(httpx.post(url + "/batches", json={}), 404, "not_found_error")
     anthropic_error(httpx.post(url + "/count_tokens", json={"model": "nope", "messages": USER}), 404,
                     "not_found_error")
     # The OpenAI routes keep OpenAI's shape

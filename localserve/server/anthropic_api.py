@@ -3,20 +3,17 @@ events, and POST /v1/messages/count_tokens, answered as Anthropic documents them
 the anthropic SDK works unchanged. A request is made into the OpenAI chat request it
 amounts to (anthropic_protocol.py) and rendered, run and read by the code that serves
 /v1/chat/completions (openai_api.ChatPrompt and generate); only the answer's shape is
-Anthropic's. Errors on these routes come in Anthropic's shape too."""
+Anthropic's. Errors on these routes come in Anthropic's shape too (errors.py, guard.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.responses import Response
 
 from ..chat import reply as chat_reply
 from ..chat.partial_json import object_so_far
@@ -28,36 +25,7 @@ from .openai_api import ChatPrompt, EventFormat, acquire, generate
 from .state import state_of
 
 
-class _AnthropicRoute(APIRoute):
-    """A route whose errors (bad bodies included: FastAPI validates them inside the route)
-    are answered by the app's handlers (errors.py: status, message, logging) and reshaped
-    into Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as exc:
-                return await _anthropic_error(request, exc)
-
-        return handle
-
-
-async def _anthropic_error(request: Request, exc: Exception) -> Response:
-    handlers = request.app.exception_handlers
-    handler = next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)
-    if handler is None:
-        raise exc
-    answer = handler(request, exc)
-    response = await answer if inspect.isawaitable(answer) else answer
-    message = json.loads(bytes(response.body))["error"]["message"]
-    kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", "www-authenticate")}
-    return JSONResponse(error_body(response.status_code, message), status_code=response.status_code, headers=kept)
-
-
-router = APIRouter(route_class=_AnthropicRoute)
+router = APIRouter()
 
 # Anthropic's stream: each event named by its type; an error is an ``error`` event; no end marker
 ANTHROPIC_EVENTS = EventFormat(

@@ -1,4 +1,5 @@
-"""Every error the server returns, in OpenAI's JSON shape (Ollama's on its routes).
+"""Every error the server returns, in OpenAI's JSON shape (Ollama's and Anthropic's on
+their routes).
 
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 (404 for an
 unknown model), a full queue a 429 and a model that cannot serve yet a 503, both with
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine.async_engine import EngineDeadError, QueueFullError
 from ..errors import LocalserveError
+from .anthropic_protocol import error_body as anthropic_error_body, is_messages_path
 from .catalog import ModelNotFoundError
 from .model_manager import ModelUnavailableError
 
@@ -96,17 +99,27 @@ def _ollama_route(path: str) -> bool:
     return path.startswith("/api/") and not path.startswith("/api/localserve/")
 
 
+def _ollama_error_body(status: int, message: str) -> dict[str, Any]:
+    return {"error": message}
+
+
 def _in_the_routes_shape(handler: Callable[[Request, Exception], JSONResponse]) -> Callable[[Request, Exception], JSONResponse]:
-    """Errors of Ollama's routes in Ollama's shape, ``{"error": message}``, with the same
-    status and Retry-After; every other route's in OpenAI's."""
+    """Errors of Ollama's routes in Ollama's shape, ``{"error": message}``, of Anthropic's
+    in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, with the same status
+    and Retry-After; every other route's in OpenAI's."""
 
     def handle(request: Request, exc: Exception) -> JSONResponse:
         response = handler(request, exc)
-        if not _ollama_route(request.url.path):
+        path = request.url.path
+        if is_messages_path(path):
+            shape = anthropic_error_body
+        elif _ollama_route(path):
+            shape = _ollama_error_body
+        else:
             return response
         message = json.loads(bytes(response.body))["error"]["message"]
         kept = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
-        return JSONResponse({"error": message}, status_code=response.status_code, headers=kept)
+        return JSONResponse(shape(response.status_code, message), status_code=response.status_code, headers=kept)
 
     return handle
 
