@@ -21,6 +21,7 @@ from ..chat.reply import ReplyFormat
 from ..engine.output_processor import RequestOutput
 from . import generation as gen
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
+from .model_manager import LoadedModel
 from .openai_api import ChatPrompt, EventFormat, acquire, generate
 from .state import state_of
 
@@ -38,8 +39,19 @@ ANTHROPIC_EVENTS = EventFormat(
 async def messages(request: Request, body: MessagesRequest) -> Response:
     chat = body.chat_request()
     prompt = ChatPrompt(chat, state_of(request).config)
-    return await generate(request, chat, prompt.prompts,
-                          lambda model, choices: _MessageShaper(body.model, choices[0], prompt.reply_format),
+
+    def prompts(model: LoadedModel) -> list[list[int]]:
+        ids = prompt.ids(model)
+        # Anthropic's clients ask for more than a local model's context may leave room for
+        # (agent tools ask for tens of thousands). As Anthropic's newer models do, the reply then stops
+        # when the context is full (stop_reason model_context_window_exceeded), not a 400.
+        room = model.max_model_len - len(ids)
+        if 0 < room < body.max_tokens:
+            prompt.sampling["max_tokens"] = room
+        return [ids]
+
+    return await generate(request, chat, prompts,
+                          lambda model, choices: _MessageShaper(body, choices[0], prompt.reply_format),
                           prompt.sampling, events=ANTHROPIC_EVENTS)
 
 
@@ -131,11 +143,12 @@ def _content(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return blocks
 
 
-def _stop(output: RequestOutput, called: bool) -> tuple[str, str | None]:
+def _stop(output: RequestOutput, called: bool, max_tokens: int) -> tuple[str, str | None]:
     """Anthropic's stop_reason and stop_sequence. A reply that ends on tool calls is
     ``tool_use``, as the OpenAI endpoint's is ``tool_calls``."""
     if output.finish_reason == "length":
-        return "max_tokens", None
+        full = len(output.token_ids) < max_tokens  # the context ran out first
+        return ("model_context_window_exceeded" if full else "max_tokens"), None
     if called:
         return "tool_use", None
     if output.stop_string is not None:
@@ -147,8 +160,9 @@ class _MessageShaper:
     """Builds /v1/messages bodies and stream events for one reply. Both read the text
     through the same Reply and _Blocks, so a stream's events add up to the whole body."""
 
-    def __init__(self, model_name: str, choice: gen.Choice, reply_format: ReplyFormat) -> None:
-        self.model_name, self.choice, self.reply_format = model_name, choice, reply_format
+    def __init__(self, body: MessagesRequest, choice: gen.Choice, reply_format: ReplyFormat) -> None:
+        self.model_name, self.max_tokens = body.model, body.max_tokens
+        self.choice, self.reply_format = choice, reply_format
         self.message_id = f"msg_{uuid.uuid4().hex}"
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -162,7 +176,8 @@ class _MessageShaper:
         reply, blocks = chat_reply.Reply(self.reply_format), _Blocks()
         events = blocks.feed(reply.feed(output.text)) + blocks.feed(reply.finish())
         called = bool(reply.tool_calls)
-        return self.message(_content(events + blocks.close(called)), _stop(output, called), len(output.token_ids))
+        return self.message(_content(events + blocks.close(called)), _stop(output, called, self.max_tokens),
+                            len(output.token_ids))
 
     async def chunks(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
         yield {"type": "message_start", "message": self.message([], (None, None), 0)}
@@ -174,7 +189,7 @@ class _MessageShaper:
                 called = bool(reply.tool_calls)
                 for event in blocks.feed(reply.finish()) + blocks.close(called):
                     yield event
-                stop_reason, stop_sequence = _stop(output, called)
+                stop_reason, stop_sequence = _stop(output, called, self.max_tokens)
                 yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                        "usage": {"output_tokens": len(output.token_ids)}}
                 yield {"type": "message_stop"}
