@@ -3,11 +3,11 @@ OpenAI ones (protocol.py). A model may be named ``model`` or, as older clients d
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .protocol import ModelField
+from .protocol import MAX_MESSAGES, MAX_STOP, JsonSchema, KeepAlive, ModelField, Text
 
 
 class _Body(BaseModel):
@@ -33,3 +33,50 @@ class PullRequest(ModelRequest):
 class CopyRequest(_Body):
     source: ModelField
     destination: ModelField
+
+
+class Options(_Body):
+    """Ollama's runtime options. Those that shape sampling are used; the rest (num_ctx,
+    num_gpu, num_thread, mirostat, ...) are accepted and left to the server's settings."""
+
+    model_config = ConfigDict(strict=False, extra="ignore")  # clients send 0 for 0.0
+
+    seed: int | None = None
+    num_predict: int | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    temperature: float | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=MAX_STOP)] | None = None
+    num_ctx: int | None = None
+
+
+Format = Literal["", "json"] | JsonSchema | None
+Think = bool | Literal["low", "medium", "high"] | None
+
+
+class _GenerationBody(ModelRequest):
+    format: Format = None
+    options: Options | None = None
+    stream: bool = True
+    keep_alive: KeepAlive = None
+    think: Think = None
+
+
+class ChatBody(_GenerationBody):
+    # Messages stay dicts here: they become OpenAI's messages, validated as those.
+    messages: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
+
+
+class GenerateBody(_GenerationBody):
+    prompt: Text | None = None
+    suffix: Text | None = None
+    system: Text | None = None
+    template: Text | None = None
+    context: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1 << 20)] | None = None
+    raw: bool = False
+    images: Annotated[list[Any], Field(max_length=64)] | None = None
