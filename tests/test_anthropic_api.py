@@ -18,7 +18,7 @@ import openai
 import pytest
 from jiter import from_json
 
-from localserve.chat.partial_json import object_so_far
+from localserve.server.anthropic_api import object_so_far
 from localserve.server.anthropic_protocol import MessagesRequest
 from localserve.server.config import ServerConfig
 

@@ -12,11 +12,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..chat import reply as chat_reply
-from ..chat.partial_json import object_so_far
 from ..chat.reply import ReplyFormat
 from ..engine.output_processor import RequestOutput
 from . import generation as gen
@@ -141,6 +141,18 @@ def _content(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for index, text in arguments.items():
         blocks[index]["input"] = object_so_far(text)
     return blocks
+
+
+def object_so_far(text: str) -> dict[str, Any]:
+    """The object a call's arguments hold as far as their text goes (a call cut short by
+    max_tokens: Anthropic's ``input`` is an object, never text). pydantic's JSON reader in
+    partial mode, the reader the anthropic SDK uses for a stream's ``partial_json``: whole
+    members are kept, an unfinished one is left out, open containers are closed."""
+    try:
+        value = pydantic_core.from_json(text, allow_partial=True)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _stop(output: RequestOutput, called: bool, max_tokens: int) -> tuple[str, str | None]:
