@@ -276,6 +276,10 @@ class ModelManager:
                 self.events.add("load_failed", name, str(exc).splitlines()[0][:300] if str(exc) else repr(exc))
                 raise
         model = LoadedModel(name, path, engine, version, keep_alive=self.options.default_keep_alive)
+        # What a load leaves (torch, the model, its tokenizer: millions of objects) lives as
+        # long as the model: out of the collector's reach, so that a full collection does
+        # not walk it all and stall the event loop for a tenth of a second mid-request.
+        gc.freeze()
         self._schedule_expiry(model)
         self.loaded[name] = model
         self.catalog.touch(name)
@@ -362,8 +366,11 @@ class ModelManager:
 
 
 def _release_memory() -> None:
-    """Return an unloaded model's memory: collect cycles, then empty torch's CUDA cache."""
+    """Return an unloaded model's memory: collect cycles (the frozen objects included:
+    the model's are among them), then empty torch's CUDA cache."""
+    gc.unfreeze()
     gc.collect()
+    gc.freeze()
     import torch  # only here: the manager itself never computes
 
     if torch.cuda.is_available():
