@@ -352,6 +352,7 @@ class ModelManager:
         for task in list(self._loading.values()):
             task.cancel()
         await self.unload_all()
+        gc.unfreeze()  # what is left is the collector's again (and is finalized at exit)
 
     async def _expire_forever(self) -> None:
         while True:
