@@ -242,3 +242,30 @@ def test_thinking(client: ollama.Client, server: RunningServer) -> None:
     assert "".join(p.message.thinking or "" for p in parts) == reply.message.thinking
     plain = client.chat("thinker", messages=MESSAGES, think=False, options={"temperature": 0, "num_predict": 12})
     assert plain.message.thinking is None and plain.message.content
+
+
+def test_serve_listens_on_ollamas_port_too(tmp_path: Path) -> None:
+    """`serve --ollama-port`: a second listener for clients that only know Ollama's address."""
+    import os
+    import subprocess
+    import sys
+
+    from .test_service import free_port, wait_healthy
+
+    port, ollama_port = free_port(), free_port()
+    env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--port", str(port), "--ollama-port",
+                                str(ollama_port), "--device", "cpu", "--kv-cache-memory", "64MiB"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        client = ollama.Client(host=f"http://127.0.0.1:{ollama_port}", timeout=60)
+        assert "demo:latest" in {m.model for m in client.list().models}
+        reply = client.generate("demo", prompt="Once upon a time", raw=True, options={"temperature": 0, "num_predict": 4})
+        same = httpx.post(f"http://127.0.0.1:{port}/api/generate", timeout=60, json={
+            "model": "demo", "prompt": "Once upon a time", "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": 4}}).json()
+        assert reply.response == same["response"] and reply.eval_count == 4
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

@@ -232,6 +232,8 @@ def model_source(value: str) -> tuple[str, Path]:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key.")
 @click.option("--port", default=8000, show_default=True)
+@click.option("--ollama-port", default=None, type=click.IntRange(min=1, max=65535),
+              help="Also listen on this port (Ollama's is 11434), for clients that only know Ollama's address.")
 @click.option("--api-key", default=None,
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")
 @click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without an API key.")
@@ -257,12 +259,14 @@ def model_source(value: str) -> tuple[str, Path]:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @engine_options
 @config_file_option
-def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, api_key: str | None,
+def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ollama_port: int | None,
+          api_key: str | None,
           insecure_no_auth: bool, cors_origins: tuple[str, ...], keep_alive: str, max_loaded_models: int,
           max_queued_requests: int, max_body_size: int, drain_timeout: float, tool_parser: str,
           reasoning_parser: str, device: str | None, dtype: str | None, log_level: str, **options: object) -> None:
-    """Run the daemon: an OpenAI-compatible HTTP API (/v1), the admin API (/api),
-    /health and /metrics, on one port. Every option can also come from the
+    """Run the daemon: OpenAI's HTTP API (/v1), Ollama's (/api) and Anthropic's
+    (/v1/messages), localserve's admin API, /health and /metrics, on one port (and
+    Ollama's too with --ollama-port). Every option can also come from the
     environment (LOCALSERVE_<OPTION>) or a config file; SIGTERM drains and exits,
     SIGHUP reloads the model list. Registry models are served on request; with no
     --model, the built-in `demo` model is loaded at start."""
@@ -284,7 +288,7 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ap
     server_config = ServerConfig(
         models=sources, registry_home=default_home(), preload=list(sources) or [str(DEMO.name)],
         engine=engine_config(options), device=device, dtype=dtype,
-        host=host, port=port, api_key=api_key or None, cors_origins=list(cors_origins),
+        host=host, port=port, ollama_port=ollama_port, api_key=api_key or None, cors_origins=list(cors_origins),
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout, tool_parser=tool_parser,
         reasoning_parser=reasoning_parser)

@@ -23,6 +23,7 @@ class ServerConfig:
     dtype: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    ollama_port: int | None = None  # a second listener, where Ollama's clients look by default (11434)
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = 32 << 20

@@ -83,7 +83,9 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if not self._announced:  # the first tick comes once the listener is up
             self._announced = True
-            self.notifier.ready(f"listening on {self.config.host}:{self.config.port}")
+            ollama = self.state.config.ollama_port
+            self.notifier.ready(f"listening on {self.config.host}:{self.config.port}"
+                                + (f" and :{ollama} (Ollama's port)" if ollama is not None else ""))
         self.notifier.watchdog_tick()
         if self.reload_requested and not self.guard.draining and self._reload is None:
             self.reload_requested = False
@@ -168,8 +170,13 @@ def serve(config: ServerConfig, insecure_no_auth: bool = False, log_level: str =
                                     server_header=False)
     notifier = SystemdNotifier()
     server = DrainingServer(uvicorn_config, app.state.localserve, notifier, model_list)
+    # Both listeners are bound before serving, so a port in use fails at start.
+    sockets = [uvicorn_config.bind_socket()]
+    if config.ollama_port is not None:
+        second = uvicorn.Config(app, host=config.host, port=config.ollama_port)
+        sockets.append(second.bind_socket())
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         notifier.close()
     return 0 if server.started else 1
