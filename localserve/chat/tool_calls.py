@@ -82,23 +82,29 @@ def _json_end(text: str, at: int, final: bool) -> int | None:
         while end < len(text) and text[end] not in ",:}]" + _SPACE:
             end += 1
         return end if end < len(text) or final else None
-    depth, in_string, escaped = 0, False, False
+    return _closing(text, at, '"', "{[", "}]")
+
+
+def _closing(text: str, at: int, quotes: str, opening: str, closing: str) -> int | None:
+    """One past where the bracketed value (or lone string) starting at ``text[at]`` ends,
+    strings in ``quotes`` skipped; None while the text ends inside it."""
+    depth, quote, escaped = 0, "", False
     for i in range(at, len(text)):
         char = text[i]
-        if in_string:
+        if quote:
             if escaped:
                 escaped = False
             elif char == "\\":
                 escaped = True
-            elif char == '"':
-                in_string = False
+            elif char == quote:
+                quote = ""
                 if depth == 0:
                     return i + 1
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
+        elif char in quotes:
+            quote = char
+        elif char in opening:
             depth += 1
-        elif char in "}]":
+        elif char in closing:
             depth -= 1
             if depth == 0:
                 return i + 1
@@ -321,25 +327,7 @@ def _python_call_end(text: str, at: int) -> int | None:
         return None
     if i == at or text[i] != "(":
         raise _NotACall
-    depth, quote, escaped = 0, "", False
-    for j in range(i, len(text)):
-        char = text[j]
-        if quote:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == quote:
-                quote = ""
-        elif char in "'\"":
-            quote = char
-        elif char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
+    return _closing(text, i, "'\"", "([{", ")]}")
 
 
 def _python_call(source: str) -> _Seen:
