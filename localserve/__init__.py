@@ -12,13 +12,14 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
-    "OutputFormat": ".engine.structured_output", "ChatOutput": ".llm",
+    "OutputFormat": ".engine.structured_output", "ChatOutput": ".llm", "PoolingParams": ".engine.pooling",
 }
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig
     from .engine.engine import Engine
     from .engine.output_processor import RequestOutput
+    from .engine.pooling import PoolingParams
     from .engine.sampling_params import SamplingParams
     from .engine.structured_output import OutputFormat
     from .errors import LocalserveError
@@ -31,5 +32,5 @@ def __getattr__(name: str) -> object:
     return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
 
 
-__all__ = ["LLM", "Engine", "EngineConfig", "LocalserveError", "OutputFormat", "RequestOutput", "SamplingParams",
-           "__version__"]
+__all__ = ["LLM", "Engine", "EngineConfig", "LocalserveError", "OutputFormat", "PoolingParams", "RequestOutput",
+           "SamplingParams", "__version__"]

@@ -18,6 +18,7 @@ from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.output_processor import RequestOutput
+from .engine.pooling import PoolingParams
 from .engine.sampling_params import SamplingParams
 from .engine.stats import EngineStats
 from .errors import LocalserveError
@@ -34,7 +35,8 @@ class ChatOutput(RequestOutput):
 
 
 class LLM:
-    """``LLM(path).generate(prompts, params)``: batched generation, outputs in input order.
+    """``LLM(path).generate(prompts, params)``: batched generation, outputs in input order;
+    ``LLM(path).embed(texts)`` with an embedding model.
 
     Engine options (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
     ``max_model_len``, ``num_kv_blocks``, ``kv_cache_memory``, ``cpu_offload_gb``,
@@ -68,6 +70,18 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, self._params_for(params, len(prompts)))]
+        return self._run(ids)
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None) -> list[torch.Tensor]:
+        """One embedding per input (text or token ids), in input order: float32 vectors,
+        unit length unless ``pooling`` says otherwise. Needs an embedding model."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]  # type: ignore[list-item]
+        pooling = pooling or PoolingParams()
+        ids = [self.engine.add_request(text, pooling=pooling) for text in inputs]  # type: ignore[union-attr]
+        return [output.embedding for output in self._run(ids)]  # type: ignore[misc]
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for output in self.engine.step():

@@ -1,4 +1,4 @@
-"""Tiny GGUF files (llama, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite, Gemma, Phi-3) written with gguf-py, and the independent
+"""Tiny GGUF files (llama, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite, Gemma, Phi-3) written with gguf-py, and the independent
 reference: an HF fp32 model carrying gguf-py's own dequantization of every tensor."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MOE_TO_GGUF = {
 GEMMA_NORMS_TO_GGUF = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                        "post_feedforward_layernorm": "post_ffw_norm"}
 # transformers model_type -> GGUF architecture
-GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
                       "olmoe": "olmoe", "gpt_oss": "gpt-oss",
                       "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 # The converter permutes Q/K rows for these (its Llama model and subclasses).
@@ -163,10 +163,12 @@ def tiny_llama(hidden: int = 256, ffn: int = 512, layers: int = 2, seed: int = 3
     return model.eval()
 
 
-def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = (), expert_qtype=None) -> None:
+def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = (), expert_qtype=None, pooling=None,
+               add_eos: bool = False) -> None:
     """Every matrix (and stacked experts) in ``qtype`` (gguf-py quantizes it), vectors
     in F32; the stacked experts in ``expert_qtype`` when given; tensors named in
-    ``exclude`` (GGUF names) are left out."""
+    ``exclude`` (GGUF names) are left out. ``pooling`` (a gguf.PoolingType) makes it an
+    embedding model; ``add_eos``: the tokenizer appends EOS (as Qwen3-Embedding's does)."""
     import gguf
 
     config = model.config
@@ -226,6 +228,10 @@ def write_gguf(path: Path, model, qtype, exclude: tuple[str, ...] = (), expert_q
     writer.add_token_types(vocab["types"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if add_eos:
+        writer.add_add_eos_token(True)
+    if pooling is not None:
+        writer.add_pooling_type(pooling)
     for name, array in gguf_tensors(model).items():
         if name in exclude:
             continue

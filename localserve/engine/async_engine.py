@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from ..errors import LocalserveError
 from .engine import Engine
 from .output_processor import RequestOutput
+from .pooling import PoolingParams
 from .sampling_params import SamplingParams
 from .stats import EngineStats
 
@@ -142,9 +143,10 @@ class AsyncEngine:
 
     # -- the event-loop side ------------------------------------------------------------
 
-    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                          request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises the engine's LocalserveError when it refuses it."""
+    async def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None,
+                          request_id: str | None = None, pooling: PoolingParams | None = None) -> RequestStream:
+        """Queue a request (with ``pooling``, an embedding: see ``Engine.add_request``);
+        raises the engine's LocalserveError when it refuses it."""
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
         if self.num_in_flight >= self.max_in_flight:
@@ -157,7 +159,7 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id)
+                self.engine.add_request(prompt_token_ids, params, request_id, pooling)
             except Exception as exc:  # LocalserveError (bad input) or a bug: the caller gets it
                 loop.call_soon_threadsafe(_settle, accepted, exc)
                 return

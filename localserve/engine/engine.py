@@ -22,6 +22,7 @@ from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
 from .memory import check_weights_fit, context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
 from .output_processor import OutputProcessor, RequestOutput
+from .pooling import PoolingParams
 from .request import Request
 from .runner import ModelRunner, RunnerOutput, warmup_token_counts
 from .sampling_params import SamplingParams
@@ -161,9 +162,13 @@ class Engine:
     # -- requests ---------------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> str:
-        params = params or SamplingParams()
+        """Queue a request: a generation, or with ``pooling`` an embedding (an embedding
+        model's only kind); its id."""
+        self._check_kind(pooling)
+        params = params or (SamplingParams(max_tokens=1) if pooling is not None else SamplingParams())
         prompt_ids = self._encode(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -174,7 +179,10 @@ class Engine:
             raise LocalserveError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         if params.logit_bias and max(params.logit_bias) >= self.spec.vocab_size:
             raise LocalserveError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+        if pooling is not None and len(prompt_ids) > self.max_model_len:
+            raise LocalserveError(f"the input ({len(prompt_ids)} tokens) exceeds the context of "
+                                  f"{self.max_model_len} tokens; shorten it")
+        if pooling is None and len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise LocalserveError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens"
@@ -183,6 +191,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator)
+        if pooling is not None:
+            request.pooling, request.pooling_method = pooling, self.spec.pooling
         if params.output_format is not None:
             if self.structured is None:
                 raise LocalserveError("structured output needs the model's tokenizer (this one has none)")
@@ -191,6 +201,15 @@ class Engine:
         self.outputs.add(request)
         self.scheduler.add(request)
         return request_id
+
+    def _check_kind(self, pooling: PoolingParams | None) -> None:
+        if pooling is None and self.spec.pooling is not None:
+            raise LocalserveError("this is an embedding model: it makes embeddings, not text")
+        if pooling is not None:
+            if self.spec.pooling is None:
+                raise LocalserveError("this model makes text, not embeddings (its file names no pooling); "
+                                      "serve an embedding model such as Qwen3-Embedding")
+            pooling.check(self.spec.hidden_size)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -222,9 +241,11 @@ class Engine:
             return []
         result = self.runner.execute(batch)
         self._record_computed(batch, result)
-        outputs = self.outputs.process(result.sampled, result.sampler_output, time.monotonic())
+        now = time.monotonic()
+        outputs = self.outputs.process(result.sampled, result.sampler_output, now) if result.sampled else []
+        outputs += self.outputs.embedded(result.embeddings, now)
         self.num_generated_tokens_total += len(result.sampled)
-        for request in result.sampled:
+        for request in result.sampled + [request for request, _ in result.embeddings]:
             if request.finish_reason is not None:
                 self._release(request)
         return outputs

@@ -207,13 +207,10 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """The longest run of the request's full blocks cached on the device, continued
-        from the CPU tier. The last token is always left to compute: its logits are needed,
-        and so are those of the prompt positions still owed a prompt logprob."""
+        from the CPU tier, within what it may reuse (``Request.reusable_prefix_tokens``)."""
         if not self.enable_prefix_caching:
             return PrefixHit([], [], 0)
-        owed_from = request.prompt_logprobs_owed_from
-        usable = request.num_tokens - 1 if owed_from is None else owed_from
-        names = self._block_hashes(request, usable // self.block_size)
+        names = self._block_hashes(request, request.reusable_prefix_tokens // self.block_size)
         device_blocks: list[int] = []
         for name in names:
             block = self.device.lookup(name)

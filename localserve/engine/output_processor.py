@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .request import Request
 from .sampler import SamplerOutput, TokenLogprobs
@@ -43,6 +45,8 @@ class RequestOutput:
     # The stop string the text was cut at, when one ended the request (Anthropic's API
     # names it in its answer; the text alone cannot tell which of several matched).
     stop_string: str | None = None
+    # An embedding request's vector (float32, CPU), set on its one, finished, output.
+    embedding: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +97,16 @@ class OutputProcessor:
             if request.finish_reason is not None:
                 request.finish_time = now
             outputs.append(self._output(request, text))
+        return outputs
+
+    def embedded(self, done: list[tuple[Request, torch.Tensor]], now: float) -> list[RequestOutput]:
+        """The one, finished, output of each embedding request whose prompt is done."""
+        outputs = []
+        for request, vector in done:
+            request.finish_reason, request.finish_time = "stop", now
+            output = self._output(request, self._texts[request.request_id])
+            output.embedding = vector
+            outputs.append(output)
         return outputs
 
     def _finish_reason(self, request: Request, text: _Text, token: int, constraint: Constraint | None) -> str | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .pooling import PoolingParams
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .structured_output import Constraint
@@ -47,6 +48,11 @@ class Request:
     constraint: Constraint | None = None  # where a structured output's grammar stands
     forced_token_ids: list[int] = field(default_factory=list)  # the next tokens, whatever the model says
     thinking_closed: bool = False  # the think block it began in (params.thinking_end) is closed
+    # An embedding request (engine/pooling.py): prefilled, never decoded; ``pooled`` is
+    # the state folded from the hidden states computed so far.
+    pooling: PoolingParams | None = None
+    pooling_method: str | None = None
+    pooled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -81,6 +87,17 @@ class Request:
         if self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1:
             return None
         return len(self.prompt_logprobs)
+
+    @property
+    def reusable_prefix_tokens(self) -> int:
+        """How many leading tokens may take their K/V from the prefix cache: all but the
+        last (its logits or hidden state are needed), before any prompt position still owed
+        a prompt logprob, and none where the embedding pools over every position or the
+        first."""
+        if self.pooling_method in ("mean", "cls"):
+            return 0
+        owed_from = self.prompt_logprobs_owed_from
+        return self.num_tokens - 1 if owed_from is None else owed_from
 
     @property
     def finished(self) -> bool:

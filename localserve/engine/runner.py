@@ -9,6 +9,7 @@ import torch
 from ..kernels import AttentionMetadata, KVCache
 from ..kernels.dispatch import KernelChoice, using
 from .cuda_graphs import DecodeGraphs
+from .pooling import finish, fold_chunk
 from .request import Request
 from .sampling_params import SamplingParams
 from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
@@ -27,6 +28,8 @@ class ModelInputs:
     to_sample: list[Request]  # the requests the sampled rows belong to, in order
     prompt_requests: list[Request]  # the request of each prompt-logprob row
     prompt_targets: list[int]  # the prompt token each prompt-logprob row predicts
+    # Embedding requests' chunks: (request, first row, rows, position of the first row).
+    pooled_chunks: list[tuple[Request, int, int, int]]
 
 
 @dataclass(slots=True)
@@ -34,6 +37,7 @@ class RunnerOutput:
     sampled: list[Request]  # the requests that produced a token (their prompt is now fully computed)
     sampler_output: SamplerOutput | None  # for them, in order
     prompt_logprobs: list[tuple[Request, TokenLogprobs]]  # new entries, in position order per request
+    embeddings: list[tuple[Request, torch.Tensor]]  # embedding requests whose prompt is done, with their vector
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
@@ -47,6 +51,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     slots: list[int] = []
     query_start, seq_lens, sample_rows, to_sample = [0], [], [], []
     prompt_rows, prompt_requests, prompt_targets = [], [], []
+    pooled_chunks = []
     for request, num_new in zip(batch.requests, batch.num_new_tokens):
         start = request.num_computed_tokens
         end = start + num_new
@@ -62,7 +67,9 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
             prompt_targets.extend(request.prompt_token_ids[p + 1] for p in owed)
         query_start.append(query_start[-1] + num_new)
         seq_lens.append(end)
-        if end == request.num_tokens:  # the chunk reaches the last token: sample
+        if request.pooling is not None:  # an embedding: its hidden states are pooled, nothing sampled
+            pooled_chunks.append((request, query_start[-2], num_new, start))
+        elif end == request.num_tokens:  # the chunk reaches the last token: sample
             sample_rows.append(query_start[-1] - 1)
             to_sample.append(request)
 
@@ -103,6 +110,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         to_sample=to_sample,
         prompt_requests=prompt_requests,
         prompt_targets=prompt_targets,
+        pooled_chunks=pooled_chunks,
     )
 
 
@@ -167,8 +175,9 @@ class ModelRunner:
             hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        embeddings = self._pool(hidden, inputs.pooled_chunks)
         if not inputs.to_sample and not inputs.prompt_requests:
-            return RunnerOutput([], None, [])
+            return RunnerOutput([], None, [], embeddings)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         num_sampled = len(inputs.to_sample)
         prompt_logprobs: list[tuple[Request, TokenLogprobs]] = []
@@ -193,4 +202,20 @@ class ModelRunner:
             if forced:
                 grammar_masks = with_forced_tokens(grammar_masks, forced, logits.shape[1])
             sampler_output = self.sampler(logits[:num_sampled], rows, grammar_masks)
-        return RunnerOutput(inputs.to_sample, sampler_output, prompt_logprobs)
+        return RunnerOutput(inputs.to_sample, sampler_output, prompt_logprobs, embeddings)
+
+    @staticmethod
+    def _pool(hidden: torch.Tensor, chunks: list[tuple[Request, int, int, int]]) -> list[tuple[Request, torch.Tensor]]:
+        """Fold each embedding request's chunk into its pooled state; the vectors of
+        those whose prompt this step finished."""
+        done = []
+        for request, first_row, rows, start in chunks:
+            assert request.pooling is not None and request.pooling_method is not None
+            reaches_end = start + rows == request.num_tokens
+            request.pooled = fold_chunk(request.pooling_method, request.pooled, hidden[first_row:first_row + rows],
+                                        start, reaches_end)
+            if reaches_end:
+                assert request.pooled is not None
+                done.append((request, finish(request.pooling_method, request.pooled, request.num_tokens,
+                                             request.pooling)))
+        return done

@@ -76,6 +76,7 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         "file_bytes": file_bytes,
         "license": gguf_license(checkpoint),
         "image_text": checkpoint.image_text,
+        "pooling": spec.pooling,
     }
     lines = [
         ("model", str(checkpoint.path)),
@@ -86,6 +87,10 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         ("vocabulary", f"{spec.vocab_size:,} tokens"),
         ("weights", f"{info['quantization']}; {human_bytes(file_bytes)}"),
     ]
+    if spec.pooling:
+        pooled = {"last": "the last token's", "cls": "the first token's", "mean": "the mean of the tokens'"}
+        lines.insert(2, ("embeddings", f"{spec.hidden_size:,} values, {pooled[spec.pooling]} hidden state: an "
+                                       "embedding model (it answers /v1/embeddings and /api/embed, not chat)"))
     if checkpoint.image_text:
         lines.insert(2, ("images", "not served: the text model runs, its vision tower is not loaded"))
     return info, lines

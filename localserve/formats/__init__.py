@@ -17,7 +17,7 @@ from ..errors import LocalserveError
 from ..text.chat_template import ChatTemplate
 from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..text.tokenizer import Tokenizer
-from . import gpt_oss, hf, multimodal
+from . import embedding, gpt_oss, hf, multimodal
 from .architectures import ARCHITECTURES
 from .gguf import chat_template_from_gguf, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
@@ -41,6 +41,8 @@ class Checkpoint:
     gguf: GGUFFile | None = None  # the parsed file, for .gguf checkpoints
     # An image-text HF checkpoint whose text model alone is read (formats/multimodal.py).
     image_text: bool = False
+    # Tensors saved from the bare model class, without the ``model.`` prefix (formats/embedding.py).
+    bare: bool = False
 
     def weights(self) -> Iterator[NamedWeight]:
         """(HF name, weight) for every weight, read from the files as iterated."""
@@ -100,12 +102,18 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     headers = hf.read_headers(files)
     if text_config is not None:
         headers = multimodal.text_headers(headers)
+    bare = embedding.saved_bare({name for name, _, _ in headers})
+    if bare:
+        headers = [(embedding.bare_name(name), shape, dtype) for name, shape, dtype in headers]
     if ARCHITECTURES[spec.architecture].packed_experts:
         headers = gpt_oss.canonical_headers(headers)
+    spec.pooling = embedding.pooling_from_modules(path)
+    if spec.pooling and all(name != "lm_head.weight" for name, _, _ in headers):
+        spec.tie_word_embeddings = True  # an embedding model's LM head is never used: none is loaded
     hf.check_headers(spec, headers)
     _merge_generation_eos(path, spec)
     return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant,
-                      image_text=text_config is not None)
+                      image_text=text_config is not None, bare=bare)
 
 
 def _check_group_size(spec: ModelSpec, quant: QuantConfig) -> None:

@@ -162,11 +162,14 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         shared_expert_intermediate_size=_shared_expert_width(gguf),
         # llama.cpp renormalises the chosen gates for Mixtral and Qwen3-MoE, not Qwen2-MoE.
         norm_topk_prob=architecture.renormalize_gates,
+        pooling=_pooling(gguf, md.get("pooling_type", int, 0)),
         **_variant_fields(md, architecture, hidden, heads, head_dim),
     )
     problem = spec.check({field: f"{arch}.{key}" for field, key in _METADATA_KEYS.items()})
     if problem:
         raise LocalserveError(f"{gguf.path}: metadata {problem}")
+    if gguf.metadata.get(f"{arch}.attention.causal", True) is not True:  # gte-Qwen2's embedding models
+        raise LocalserveError(f"{gguf.path}: bidirectional attention ({arch}.attention.causal false) is not supported")
     layers = {int(match[1]) for name in gguf.tensors if (match := LAYER_TENSOR.fullmatch(name))}
     if layers != set(range(spec.num_layers)):
         numbered = f", numbered up to {max(layers):,}" if layers else ""
@@ -176,6 +179,21 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         raise LocalserveError(f"{gguf.path}: token_embd.weight is {embed.shape}, not {vocab} x embedding_length "
                               f"{hidden:,}")
     return spec
+
+
+# llama.cpp's pooling types (enum llama_pooling_type) that make a model an embedding model.
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
+def _pooling(gguf: GGUFFile, kind: int) -> str | None:
+    if kind == 0:
+        return None  # none: a generative model
+    if kind == 4:
+        raise LocalserveError(f"{gguf.path}: a reranker (pooling type rank) is not supported; "
+                              "embedding models (mean, cls, last) and generative models are")
+    if kind not in _POOLING_TYPES:
+        raise LocalserveError(f"{gguf.path}: pooling_type {kind} is not one llama.cpp defines (0-4)")
+    return _POOLING_TYPES[kind]
 
 
 def _variant_fields(md: _Metadata, architecture: Architecture, hidden: int, heads: int,

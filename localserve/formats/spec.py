@@ -98,6 +98,9 @@ class ModelSpec:
     # GPT-OSS's experts: (alpha, limit) of gate * sigmoid(alpha * gate) * (up + 1), gate
     # clamped above at limit and up to +-limit; None: SwiGLU.
     clamped_swiglu: tuple[float, float] | None = None
+    # An embedding model: how its last hidden states pool into one vector ("mean", "cls"
+    # or "last" token); None: a generative model.
+    pooling: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

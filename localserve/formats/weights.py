@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
 from ..kernels.quant_weight import QuantWeight
-from . import gpt_oss, hf, multimodal
+from . import embedding, gpt_oss, hf, multimodal
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_TENSORS, hf_name
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight, loaded_nbytes
@@ -40,7 +40,8 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
     if checkpoint.gguf is not None:
         return _gguf_weights(checkpoint.gguf, checkpoint.spec)
     # An image-text checkpoint's vision tensors are skipped unread.
-    tensors = _safetensors(checkpoint.files, multimodal.text_name if checkpoint.image_text else None)
+    rename = multimodal.text_name if checkpoint.image_text else embedding.bare_name if checkpoint.bare else None
+    tensors = _safetensors(checkpoint.files, rename)
     if ARCHITECTURES[checkpoint.spec.architecture].packed_experts:
         return gpt_oss.canonical_weights(tensors)
     return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors

@@ -1,0 +1,83 @@
+"""What makes an HF folder an embedding model, and how its tensors are named.
+
+An embedding model in our architectures (Qwen3-Embedding: a qwen3 decoder) is served
+as sentence-transformers describes it: ``modules.json`` lists the pipeline (the
+transformer, a Pooling module, usually Normalize) and the Pooling module's
+``config.json`` says which pooling (``pooling_mode_lasttoken``, ``..._mean_tokens``,
+``..._cls_token``). Embeddings are always L2-normalized, as OpenAI's and Ollama's
+``/api/embed`` are; any other module (a Dense projection) would change the vector, so
+such a pipeline is refused rather than served wrong.
+
+Such checkpoints are often saved from the bare model class (``Qwen3Model``): their
+tensors lack the ``model.`` prefix (``layers.0.self_attn.q_proj.weight``) and there is
+no LM head, which an embedding model never uses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import LocalserveError
+
+# sentence-transformers' Pooling config key -> our pooling name.
+_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_MODULES = "sentence_transformers.models."
+_HARMLESS_MODULES = {"Transformer", "Normalize"}  # the model itself; a normalization we always apply
+_MAX_JSON_BYTES = 1 << 20
+
+
+def pooling_from_modules(model_dir: Path) -> str | None:
+    """The pooling a sentence-transformers folder declares ("mean", "cls", "last"), or
+    None when it is no such folder (a generative model)."""
+    modules = _read_json(model_dir / "modules.json")
+    if modules is None:
+        return None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise LocalserveError(f"{model_dir / 'modules.json'}: expected a list of modules")
+    pooling_dirs = []
+    for module in modules:
+        kind = str(module.get("type", "")).removeprefix(_MODULES)
+        if kind == "Pooling":
+            pooling_dirs.append(str(module.get("path", "")))
+        elif kind not in _HARMLESS_MODULES:
+            raise LocalserveError(f"{model_dir.name}: the sentence-transformers module {kind!r} is not supported "
+                                  "(Transformer, Pooling and Normalize are)")
+    if len(pooling_dirs) != 1:
+        raise LocalserveError(f"{model_dir / 'modules.json'}: expected one Pooling module, found {len(pooling_dirs)}")
+    config_path = (model_dir / pooling_dirs[0] / "config.json").resolve()
+    if not config_path.is_relative_to(model_dir.resolve()):
+        raise LocalserveError(f"{model_dir / 'modules.json'}: the Pooling module's path leaves the model folder")
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise LocalserveError(f"{config_path}: missing, or not a JSON object")
+    chosen = [name for key, name in _POOLING_MODES.items() if config.get(key) is True]
+    others = [key.removeprefix("pooling_mode_") for key in _OTHER_MODES if config.get(key) is True]
+    if others or len(chosen) != 1 or config.get("include_prompt", True) is not True:
+        raise LocalserveError(f"{config_path}: one of last-token, mean or CLS pooling over the whole input is "
+                              f"supported (this one: {', '.join(chosen + others) or 'none'}"
+                              f"{'' if config.get('include_prompt', True) is True else ', prompt excluded'})")
+    return chosen[0]
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    if path.stat().st_size > _MAX_JSON_BYTES:
+        raise LocalserveError(f"{path}: larger than {_MAX_JSON_BYTES:,} bytes")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LocalserveError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def saved_bare(names: set[str]) -> bool:
+    """Whether the tensors were saved from the bare model class: no ``model.`` prefix."""
+    return "embed_tokens.weight" in names and not any(name.startswith("model.") for name in names)
+
+
+def bare_name(name: str) -> str:
+    """A bare model's tensor under the name a causal LM's checkpoint gives it."""
+    return f"model.{name}"
