@@ -17,7 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
-from . import admin_api, anthropic_api, errors, ollama_api, ollama_models, openai_api
+from . import admin_api, anthropic_api, embeddings, errors, ollama_api, ollama_models, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
 from .catalog import ModelCatalog
@@ -84,6 +84,7 @@ def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | 
     app.state.localserve = state
     errors.install(app)
     app.include_router(openai_api.router)
+    app.include_router(embeddings.router)
     app.include_router(anthropic_api.router)
     app.include_router(admin_api.router)
     app.include_router(ollama_models.router)

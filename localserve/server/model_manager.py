@@ -109,6 +109,15 @@ class LoadedModel:
         return self.engine.engine.spec.vocab_size
 
     @property
+    def embeds(self) -> bool:
+        """An embedding model: it answers the embeddings endpoints, not the generating ones."""
+        return self.engine.engine.spec.pooling is not None
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.engine.config.max_num_seqs
+
+    @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.engine.tokenizer
 

@@ -1,5 +1,5 @@
-"""Ollama's generation routes, ``/api/chat`` and ``/api/generate``, shaped as Ollama
-documents them: NDJSON streams (on by default) of ``{"model", "created_at", "message" |
+"""Ollama's generation and embedding routes, ``/api/chat``, ``/api/generate``,
+``/api/embed`` and ``/api/embeddings``, shaped as Ollama documents them. Generation: NDJSON streams (on by default) of ``{"model", "created_at", "message" |
 "response", "done"}`` objects, the last with ``done_reason`` and the timing and count
 fields; ``thinking`` split from the answer for thinking models; tool calls with their
 arguments as objects.
@@ -23,10 +23,12 @@ from pydantic import ValidationError
 
 from ..chat import reply as chat_reply
 from ..engine.output_processor import RequestOutput
+from ..engine.pooling import PoolingParams
 from ..errors import LocalserveError
+from . import embeddings
 from . import generation as gen
 from .model_manager import LoadedModel, parse_keep_alive
-from .ollama_protocol import ChatBody, GenerateBody, Options
+from .ollama_protocol import ChatBody, EmbedBody, EmbeddingsBody, GenerateBody, Options
 from .openai_api import ChatPrompt, EventFormat, generate
 from .protocol import ChatCompletionRequest
 from .state import state_of
@@ -122,9 +124,13 @@ def _chat_request(model: str, messages: list[dict[str, Any]], body: ChatBody | G
         raise LocalserveError(f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}") from None
 
 
+def _ns(seconds: float) -> int:
+    return int(max(0.0, seconds) * 1e9)
+
+
 def _timings(output: RequestOutput) -> dict[str, int]:
     def ns(start: float | None, end: float | None) -> int:
-        return int(max(0.0, (end or 0.0) - (start or 0.0)) * 1e9) if start is not None and end is not None else 0
+        return _ns(end - start) if start is not None and end is not None else 0
 
     return {"total_duration": ns(output.arrival_time, output.finish_time), "load_duration": 0,
             "prompt_eval_count": len(output.prompt_token_ids),
@@ -249,3 +255,33 @@ async def generate_text(request: Request, body: GenerateBody) -> Response:
         return _Shaper(body.model, prompt.reply_format if templated else plain, False, not body.raw)
 
     return await generate(request, openai_body, prompts, shaper, prompt.sampling, OLLAMA_EVENTS)
+
+
+@router.post("/api/embed")
+async def embed(request: Request, body: EmbedBody) -> Response:
+    inputs = [body.input] if isinstance(body.input, str) else list(body.input or [])
+    if not inputs:
+        return await _load_or_unload(request, body.model, body.keep_alive,
+                                     lambda name: {"model": name, "embeddings": []})
+    try:
+        result = await embeddings.embed(request, body.model, inputs, PoolingParams(dimensions=body.dimensions),
+                                        body.keep_alive, truncate=body.truncate)
+    except gen.ClientGone:
+        return Response(status_code=499)
+    return JSONResponse({"model": body.model, "embeddings": [embeddings.as_floats(v) for v in result.vectors],
+                         "total_duration": _ns(result.total_seconds), "load_duration": _ns(result.load_seconds),
+                         "prompt_eval_count": result.prompt_tokens})
+
+
+@router.post("/api/embeddings")
+async def embeddings_legacy(request: Request, body: EmbeddingsBody) -> Response:
+    """The older route: one prompt, and its vector not normalized (as Ollama's is not)."""
+    if not body.prompt:
+        await _load_or_unload(request, body.model, body.keep_alive, lambda name: {})
+        return JSONResponse({"embedding": []})
+    try:
+        result = await embeddings.embed(request, body.model, [body.prompt], PoolingParams(normalize=False),
+                                        body.keep_alive, truncate=True)
+    except gen.ClientGone:
+        return Response(status_code=499)
+    return JSONResponse({"embedding": embeddings.as_floats(result.vectors[0])})

@@ -61,6 +61,7 @@ class ModelFacts:
     file_bytes: int
     template: str | None
     license: str | None
+    pooling: str | None  # an embedding model's
 
 
 @lru_cache(maxsize=64)
@@ -77,7 +78,8 @@ def _facts(path: Path, version: str) -> ModelFacts:
         quantization=str(info["quantization"]), context_length=int(info["context_length"]),
         layers=int(info["layers"]), hidden_size=int(info["hidden_size"]), heads=int(info["heads"]),
         kv_heads=int(info["kv_heads"]), file_bytes=int(info["file_bytes"]),
-        template=template.source if template is not None else None, license=info["license"])  # type: ignore[arg-type]
+        template=template.source if template is not None else None, license=info["license"],  # type: ignore[arg-type]
+        pooling=checkpoint.spec.pooling)
 
 
 def _digest(entry: CatalogEntry) -> str:
@@ -103,6 +105,8 @@ def _details(facts: ModelFacts) -> dict[str, Any]:
 def _capabilities(facts: ModelFacts) -> list[str]:
     from ..chat import reasoning
 
+    if facts.pooling:
+        return ["embedding"]
     found = ["completion"]
     if facts.template and "tools" in facts.template:
         found.append("tools")

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .protocol import MAX_MESSAGES, MAX_STOP, JsonSchema, KeepAlive, ModelField, Text
+from .protocol import MAX_EMBEDDING_INPUTS, MAX_MESSAGES, MAX_STOP, JsonSchema, KeepAlive, ModelField, Text
 
 
 class _Body(BaseModel):
@@ -80,3 +80,21 @@ class GenerateBody(_GenerationBody):
     context: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]], Field(max_length=1 << 20)] | None = None
     raw: bool = False
     images: Annotated[list[Any], Field(max_length=64)] | None = None
+
+
+class EmbedBody(ModelRequest):
+    """``/api/embed``: one text or a list of them."""
+
+    input: Text | Annotated[list[Text], Field(max_length=MAX_EMBEDDING_INPUTS)] | None = None
+    truncate: bool = True  # inputs past the context keep their start; false: refused
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    options: Options | None = None  # accepted: nothing in it shapes an embedding
+    keep_alive: KeepAlive = None
+
+
+class EmbeddingsBody(ModelRequest):
+    """``/api/embeddings``, the older route: one prompt."""
+
+    prompt: Text = ""
+    options: Options | None = None
+    keep_alive: KeepAlive = None

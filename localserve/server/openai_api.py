@@ -191,6 +191,9 @@ async def generate(request: Request, body: ChatCompletionRequest | CompletionReq
     model = await acquire(request, body.model)
     released = False
     try:
+        if model.embeds:
+            raise LocalserveError(f"{model.name!r} is an embedding model: it answers /v1/embeddings and /api/embed, "
+                                  "not requests for text")
         # Rendering and tokenizing take time in proportion to the prompt: off the event loop.
         choices = gen.choices_for(body, await asyncio.to_thread(prompts, model), model.max_model_len, **(extra or {}))
         streams = await gen.start(model, choices)

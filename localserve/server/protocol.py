@@ -293,12 +293,7 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each text or token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        return _each(self.prompt)
 
     def wanted_tokens(self) -> int | None:
         return self.max_tokens
@@ -309,6 +304,31 @@ class CompletionRequest(SamplingFields):
     def wanted_prompt_logprobs(self) -> int | None:
         """Echoed prompts come with their tokens' logprobs when logprobs are asked for."""
         return self.logprobs if self.echo else None
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit of inputs in one request
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request: one text or token list, or a list of them."""
+
+    model: ModelField
+    input: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: Annotated[str, Field(max_length=512)] | None = None  # accepted, unused
+    keep_alive: KeepAlive = None
+
+    def inputs(self) -> list[str | list[int]]:
+        return _each(self.input)
+
+
+def _each(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """One text or token list, or a list of them, as a list of them."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]  # type: ignore[list-item]
+    return list(value)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(_Strict):
