@@ -66,6 +66,7 @@ class Shape:
     expert_ffn: int = 0
     head_dim: int | None = None
     sliding_window: int = 0  # Gemma 2: every other layer slides
+    pooling: str = ""  # an embedding model's (gguf.PoolingType's name), its tokenizer appending EOS
 
 
 SHAPES = {
@@ -78,6 +79,9 @@ SHAPES = {
     # and hidden 1024 so its F16 source fits this machine's memory.
     "qwen3-moe-small": Shape("qwen3moe", 12, 1024, 16, 4, 0, 151936, 1000000.0, experts=128, experts_used=8,
                              expert_ffn=768, head_dim=128),
+    # Qwen3-Embedding-0.6B: a Qwen3 decoder (q/k norms, tied), last-token pooling over the
+    # EOS its tokenizer appends (benchmarks/embeddings.py).
+    "qwen3-embedding-0.6b": Shape("qwen3", 28, 1024, 16, 8, 3072, 151669, 1000000.0, head_dim=128, pooling="LAST"),
 }
 
 
@@ -121,6 +125,9 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
         writer.add_sliding_window(shape.sliding_window)
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
+    if shape.pooling:
+        writer.add_pooling_type(gguf.PoolingType[shape.pooling])
+        writer.add_add_eos_token(True)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -162,7 +169,7 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
             vector(f"{b}.attn_q.bias", q)
             vector(f"{b}.attn_k.bias", kv)
             vector(f"{b}.attn_v.bias", kv)
-        if shape.arch == "qwen3moe":
+        if shape.arch in ("qwen3", "qwen3moe"):
             vector(f"{b}.attn_q_norm.weight", head_dim, 1.0)
             vector(f"{b}.attn_k_norm.weight", head_dim, 1.0)
         if shape.experts:
