@@ -179,6 +179,10 @@ def test_load_and_unload_by_empty_requests(client: ollama.Client) -> None:
     assert "stories" in [m.model for m in client.ps().models]
     assert client.chat("stories", messages=[], keep_alive=0).done_reason == "unload"
     assert "stories" not in [m.model for m in client.ps().models]
+    # load_duration: the time to load, when the request had to wait for one.
+    cold = client.chat("stories", messages=MESSAGES, options={"num_predict": 2})
+    warm = client.chat("stories", messages=MESSAGES, options={"num_predict": 2})
+    assert cold.load_duration > 0 and warm.load_duration == 0 and cold.total_duration > cold.load_duration
 
 
 def test_refusals_are_ollama_errors(client: ollama.Client) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -128,11 +129,31 @@ def _ns(seconds: float) -> int:
     return int(max(0.0, seconds) * 1e9)
 
 
-def _timings(output: RequestOutput) -> dict[str, int]:
+class _LoadTimer:
+    """Ollama's ``load_duration``: for a request that waited for its model to load, from
+    its arrival to the model in hand; 0 when the model was loaded already. The route's
+    prompt callback runs right after the model is acquired, so wrapping it reads the
+    clock there."""
+
+    def __init__(self) -> None:
+        self.started = time.time()  # the wall clock, as LoadedModel.loaded_at
+        self.seconds = 0.0
+
+    def around(self, prompts: Callable[[LoadedModel], list[list[int]]]) -> Callable[[LoadedModel], list[list[int]]]:
+        def timed(model: LoadedModel) -> list[list[int]]:
+            if model.loaded_at >= self.started:  # loaded while this request waited
+                self.seconds = time.time() - self.started
+            return prompts(model)
+
+        return timed
+
+
+def _timings(output: RequestOutput, load_seconds: float) -> dict[str, int]:
     def ns(start: float | None, end: float | None) -> int:
         return _ns(end - start) if start is not None and end is not None else 0
 
-    return {"total_duration": ns(output.arrival_time, output.finish_time), "load_duration": 0,
+    return {"total_duration": _ns(load_seconds) + ns(output.arrival_time, output.finish_time),
+            "load_duration": _ns(load_seconds),
             "prompt_eval_count": len(output.prompt_token_ids),
             "prompt_eval_duration": ns(output.first_scheduled_time, output.first_token_time),
             "eval_count": len(output.token_ids), "eval_duration": ns(output.first_token_time, output.finish_time)}
@@ -154,8 +175,10 @@ class _Shaper:
     """Builds one Ollama answer (``chat``: a message; else generate's ``response``) whole
     or as NDJSON lines."""
 
-    def __init__(self, model_name: str, reply_format: chat_reply.ReplyFormat, chat: bool, context: bool) -> None:
+    def __init__(self, model_name: str, reply_format: chat_reply.ReplyFormat, chat: bool, context: bool,
+                 load: _LoadTimer) -> None:
         self.model_name, self.reply_format, self.chat, self.context = model_name, reply_format, chat, context
+        self.load = load
 
     def _object(self, content: str, thinking: str | None, calls: list[dict[str, Any]], done: bool) -> dict[str, Any]:
         data: dict[str, Any] = {"model": self.model_name, "created_at": _now()}
@@ -174,7 +197,7 @@ class _Shaper:
         return data
 
     def _final(self, data: dict[str, Any], output: RequestOutput) -> dict[str, Any]:
-        data.update(done_reason=output.finish_reason, **_timings(output))
+        data.update(done_reason=output.finish_reason, **_timings(output, self.load.seconds))
         if self.context:  # generate's: the conversation so far, to send back as `context`
             data["context"] = list(output.prompt_token_ids) + list(output.token_ids)
         return data
@@ -218,8 +241,9 @@ async def chat(request: Request, body: ChatBody) -> Response:
             "model": name, "created_at": _now(), "message": {"role": "assistant", "content": ""}, "done": True})
     openai_body = _chat_request(body.model, [_message(m) for m in body.messages], body, body.tools)
     prompt = ChatPrompt(openai_body, state_of(request).config)
-    return await generate(request, openai_body, prompt.prompts,
-                          lambda model, choices: _Shaper(body.model, prompt.reply_format, True, False),
+    load = _LoadTimer()
+    return await generate(request, openai_body, load.around(prompt.prompts),
+                          lambda model, choices: _Shaper(body.model, prompt.reply_format, True, False, load),
                           prompt.sampling, OLLAMA_EVENTS)
 
 
@@ -252,9 +276,10 @@ async def generate_text(request: Request, body: GenerateBody) -> Response:
 
     def shaper(model: LoadedModel, choices: list[gen.Choice]) -> _Shaper:
         templated = not body.raw and _templated(model)
-        return _Shaper(body.model, prompt.reply_format if templated else plain, False, not body.raw)
+        return _Shaper(body.model, prompt.reply_format if templated else plain, False, not body.raw, load)
 
-    return await generate(request, openai_body, prompts, shaper, prompt.sampling, OLLAMA_EVENTS)
+    load = _LoadTimer()
+    return await generate(request, openai_body, load.around(prompts), shaper, prompt.sampling, OLLAMA_EVENTS)
 
 
 @router.post("/api/embed")
