@@ -395,3 +395,115 @@ def test_wrong_url_is_one_clear_line() -> None:
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.output.startswith(f"Error: cannot reach a server at http://127.0.0.1:{port}")
     assert result.output.count("\n") == 1
+
+
+# -- the server's tokenizer (/tokenize, /detokenize) ---------------------------------------------
+
+API_KEY = "bench-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A daemon serving `stories` from a path (no registry entry) behind an API key."""
+    if not STORIES_HF.is_dir():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    from localserve.server.config import ServerConfig
+
+    from .server_util import running_server, small_engine_config, stories_with_template
+
+    path = stories_with_template(tmp_path_factory.mktemp("models"))
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu",
+                          api_key=API_KEY)
+    with running_server(config) as running:
+        running.model_path = path
+        yield running
+
+
+def _server_count(server, text: str, add_special_tokens: bool = True) -> int:  # type: ignore[no-untyped-def]
+    import httpx
+
+    answer = httpx.post(f"{server.url}/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30,
+                        json={"model": "stories", "prompt": text, "add_special_tokens": add_special_tokens})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["count"]
+
+
+def test_cli_bench_takes_the_tokenizer_from_the_server(keyed_server, tmp_path,  # type: ignore[no-untyped-def]
+                                                      monkeypatch) -> None:
+    # `stories` is neither a path nor a registry name here: only the daemon knows it.
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LOCALSERVE_API_KEY", raising=False)
+    saved = tmp_path / "result.json"
+    args = ["bench", "--url", keyed_server.url, "--model", "stories", "--api-key", API_KEY, "--num-prompts", "6",
+            "--random-input-len", "20", "--random-output-len", "4", "--max-concurrency", "3", "--json",
+            "--save-result", str(saved), "--no-progress"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(result.stdout)["metrics"]
+    assert metrics["completed"] == 6 and metrics["total_input_tokens"] == 6 * 20
+    records = json.loads(saved.read_text())["requests"]
+    # prompt_len is the server's own count (its usage): the prompts built with its tokenizer
+    # have exactly the length drawn, BOS included.
+    assert [r["prompt_len"] for r in records] == [20] * 6
+    assert all(r["output_tokens"] == 4 and r["output_tokens_from"] == "usage" for r in records)
+    # Without the key, the tokenizer routes refuse, and the command says why in one line.
+    refused = CliRunner().invoke(main, [*args[:5], "--num-prompts", "2", "--no-progress"])
+    assert refused.exit_code == 1 and refused.output.count("\n") == 1
+    assert "no tokenizer for 'stories'" in refused.output and "HTTP 401" in refused.output
+
+
+def test_server_tokenizer_counts_as_the_server_does(keyed_server) -> None:  # type: ignore[no-untyped-def]
+    from localserve.bench.client import count_output_tokens
+    from localserve.bench.datasets import _FIT_ROUNDS, allowed_token_ids
+    from localserve.bench.tokenizer import ServerTokenizer
+
+    local = load_tokenizer(str(keyed_server.model_path))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with ServerTokenizer(keyed_server.url, "stories", headers) as remote:
+        assert remote.vocab_size == local.vocab_size == 512
+        plain = remote.plain_text_token_ids()
+        vocab_calls = remote.calls
+        assert vocab_calls <= 6  # the size, the marker, then the whole vocabulary in one call
+        # The same plain-text pieces as the local vocabulary's, so the same prompts for a seed.
+        assert plain.tolist() == allowed_token_ids(local).tolist()
+        drawn = random_requests(remote, 8, 24, 4, 0.5, np.random.default_rng(7))
+        assert [r.prompt for r in drawn] == [r.prompt for r in random_requests(local, 8, 24, 4, 0.5,
+                                                                                 np.random.default_rng(7))]
+        for r in drawn:
+            assert r.prompt_len == _server_count(keyed_server, r.prompt) == len(local.encode(r.prompt))
+        # Whole prompts go over HTTP, never one call per token.
+        long_calls = remote.calls
+        long = random_requests(remote, 3, 300, 4, 0.0, np.random.default_rng(8))
+        assert [r.prompt_len for r in long] == [300] * 3
+        assert [_server_count(keyed_server, r.prompt) for r in long] == [300] * 3
+        assert remote.calls - long_calls <= 3 * (2 * _FIT_ROUNDS + 2) < 300
+        shared = prefix_repetition_requests(remote, 4, 16, 8, 2, 4, np.random.default_rng(9))
+        assert all(r.prompt_len == _server_count(keyed_server, r.prompt) for r in shared)
+        # Outputs without usage are counted after the run, one call per request.
+        records = [RequestRecord(5, 4, success=True, generated_text=" there was a little girl"),
+                   RequestRecord(5, 4, success=True, generated_text=""),
+                   RequestRecord(5, 4, success=False, generated_text="broken")]
+        count_output_tokens(records, remote)
+        assert records[0].output_tokens == _server_count(keyed_server, " there was a little girl", False) > 0
+        assert [r.output_tokens_from for r in records] == ["tokenizer", "tokenizer", ""]
+        assert records[1].output_tokens == 0 and records[2].output_tokens == 0
+    with ServerTokenizer(keyed_server.url, "stories") as keyless, pytest.raises(BenchError, match="HTTP 401"):
+        keyless.encode("Once upon a time")
+
+
+def test_an_explicit_tokenizer_wins_over_the_servers(keyed_server, tmp_path,  # type: ignore[no-untyped-def]
+                                                     monkeypatch) -> None:
+    from localserve.bench.tokenizer import ServerTokenizer, find_tokenizer
+    from localserve.text.tokenizer import Tokenizer
+
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path / "home"))
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(BenchError, match="--tokenizer"):
+        find_tokenizer(str(tmp_path), "stories", keyed_server.url, "stories", headers)  # no tokenizer.json there
+    assert isinstance(find_tokenizer(None, str(keyed_server.model_path), keyed_server.url, "stories", headers),
+                      Tokenizer)  # a local path: read here
+    remote = find_tokenizer(None, "stories", keyed_server.url, "stories", headers)
+    assert isinstance(remote, ServerTokenizer)
+    remote.close()
+    with pytest.raises(BenchError, match="no tokenizer for 'nothing'.*HTTP 404"):
+        find_tokenizer(None, "nothing", keyed_server.url, "nothing", headers)

@@ -9,7 +9,8 @@ llama.cpp's and llama-cpp-python's servers, vLLM), measuring what vLLM's
                                        num_prompts=64, max_concurrency=32))
     result.metrics.output_throughput, result.to_dict()
 
-Modules: config (the options), tokenizer (localserve's own, for exact prompt lengths),
+Modules: config (the options), tokenizer (localserve's own or the server's /tokenize, for
+exact prompt lengths),
 datasets (random, sharegpt, prefix-repetition), client (one streamed request, timed),
 load (arrival times, concurrency cap, warm-ups), metrics (the figures), runner (a whole
 run), report (progress bar, tables, JSON, plot).

@@ -20,7 +20,7 @@ from .config import BenchConfig
 from .datasets import SampleRequest
 
 if TYPE_CHECKING:
-    from ..text.tokenizer import Tokenizer
+    from .tokenizer import BenchTokenizer
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -39,7 +39,7 @@ class RequestRecord:
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
-    output_tokens_from: str = ""  # "usage" (the server said) or "tokenizer" (counted here)
+    output_tokens_from: str = ""  # "usage" (the server said) or "tokenizer" (counted here; "" until then)
     chunks: int = 0  # chunks that carried text
     generated_text: str = ""
 
@@ -68,9 +68,11 @@ def request_body(config: BenchConfig, model: str, sample: SampleRequest, eos_tok
 
 
 async def send_request(http: httpx.AsyncClient, url: str, body: dict[str, Any], sample: SampleRequest,
-                       tokenizer: Tokenizer, t0: float) -> RequestRecord:
+                       tokenizer: BenchTokenizer | None, t0: float) -> RequestRecord:
     """POST ``body`` to ``url`` and read its SSE stream; ``t0`` is the benchmark's
-    ``time.perf_counter()`` origin."""
+    ``time.perf_counter()`` origin. Without usage from the server the output tokens are
+    counted with ``tokenizer``; with None they are left for ``count_output_tokens``
+    after the run (a server's tokenizer is not called while the load is measured)."""
     record = RequestRecord(sample.prompt_len, sample.expected_output_len)
     start = time.perf_counter()
     record.start = start - t0
@@ -79,7 +81,7 @@ async def send_request(http: httpx.AsyncClient, url: str, body: dict[str, Any], 
         async with http.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 await response.aread()
-                record.error = _http_error(response)
+                record.error = http_error(response)
             else:
                 async for line in response.aiter_lines():
                     if stream.feed(line):
@@ -109,12 +111,21 @@ async def send_request(http: httpx.AsyncClient, url: str, body: dict[str, Any], 
         record.itl = stream.gaps
         if stream.completion_tokens is not None:
             record.output_tokens, record.output_tokens_from = stream.completion_tokens, "usage"
-        else:
-            record.output_tokens = len(tokenizer.encode(stream.text, add_special_tokens=False))
-            record.output_tokens_from = "tokenizer"
+        elif tokenizer is not None:
+            count_output_tokens([record], tokenizer)
         if stream.prompt_tokens is not None:
             record.prompt_len = stream.prompt_tokens  # what the server counted (a chat template adds some)
     return record
+
+
+def count_output_tokens(records: list[RequestRecord], tokenizer: BenchTokenizer) -> None:
+    """Count with ``tokenizer`` the output of each successful record the server gave no
+    usage for (one encode of the whole text per record)."""
+    for record in records:
+        if record.success and not record.output_tokens_from:
+            text = record.generated_text
+            record.output_tokens = len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+            record.output_tokens_from = "tokenizer"
 
 
 class _Stream:
@@ -170,7 +181,7 @@ class _Stream:
         return False
 
 
-def _http_error(response: httpx.Response) -> str:
+def http_error(response: httpx.Response) -> str:
     try:
         error = response.json()
         # OpenAI's shape ({"error": {"message"}}), llama.cpp's and FastAPI's ({"detail"}) alike

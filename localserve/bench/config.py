@@ -31,7 +31,7 @@ class BenchConfig:
     url: str | None = None  # the server's base URL; None: localserve.client.daemon_url()
     model: str | None = None  # the name sent in requests; None: the server's first model
     served_model_name: str | None = None  # sent instead of `model` (then `model` only picks the tokenizer)
-    tokenizer: str | None = None  # .gguf file, HF folder or registry name; None: `model`
+    tokenizer: str | None = None  # .gguf file, HF folder or registry name; None: `model`, else the server's /tokenize
     endpoint: Endpoint = "completions"  # /v1/completions or /v1/chat/completions
     api_key: str | None = None  # sent as Bearer; None: env LOCALSERVE_API_KEY
     # -- the dataset ------------------------------------------------------------------------

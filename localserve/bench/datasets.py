@@ -18,9 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .config import BenchConfig, BenchError
+from .tokenizer import ServerTokenizer, is_plain_text
 
 if TYPE_CHECKING:
     from ..text.tokenizer import Tokenizer
+    from .tokenizer import BenchTokenizer
 
 # vLLM's ShareGPT filter: prompts and answers under 4 tokens say nothing, prompts over
 # 1024 or conversations over 2048 tokens do not fit the models it was written for.
@@ -42,7 +44,7 @@ class SampleRequest:
     group: int | None = None  # the shared prefix's index (prefix-repetition)
 
 
-def sample_requests(config: BenchConfig, tokenizer: Tokenizer) -> list[SampleRequest]:
+def sample_requests(config: BenchConfig, tokenizer: BenchTokenizer) -> list[SampleRequest]:
     """``config.num_prompts`` requests from ``config.dataset_name``, reproducible by seed."""
     rng = np.random.default_rng([config.seed, 0])  # its own stream: arrivals draw from another
     if config.dataset_name == "random":
@@ -59,7 +61,7 @@ def sample_requests(config: BenchConfig, tokenizer: Tokenizer) -> list[SampleReq
 
 # -- synthetic ------------------------------------------------------------------------------
 
-def random_requests(tokenizer: Tokenizer, num: int, input_len: int, output_len: int, range_ratio: float,
+def random_requests(tokenizer: BenchTokenizer, num: int, input_len: int, output_len: int, range_ratio: float,
                     rng: np.random.Generator) -> list[SampleRequest]:
     """Prompts of random tokens with lengths uniform in [floor(L(1-r)), ceil(L(1+r))]
     (vLLM's random dataset). The length counts the special tokens the server adds (BOS),
@@ -75,7 +77,7 @@ def random_requests(tokenizer: Tokenizer, num: int, input_len: int, output_len: 
     return requests
 
 
-def prefix_repetition_requests(tokenizer: Tokenizer, num: int, prefix_len: int, suffix_len: int,
+def prefix_repetition_requests(tokenizer: BenchTokenizer, num: int, prefix_len: int, suffix_len: int,
                                num_prefixes: int, output_len: int,
                                rng: np.random.Generator) -> list[SampleRequest]:
     """``num_prefixes`` random prefixes of ``prefix_len`` tokens; each prompt is one of
@@ -96,13 +98,16 @@ def _bounds(length: int, ratio: float, low: int) -> tuple[int, int]:
     return max(math.floor(length * (1 - ratio)), low), max(math.ceil(length * (1 + ratio)), low)
 
 
-def num_special_tokens(tokenizer: Tokenizer) -> int:
+def num_special_tokens(tokenizer: BenchTokenizer) -> int:
     """Tokens the tokenizer adds to any text (BOS, ...), as a server's encode does."""
     sample = "hello"
     return len(tokenizer.encode(sample)) - len(tokenizer.encode(sample, add_special_tokens=False))
 
 
-def allowed_token_ids(tokenizer: Tokenizer) -> np.ndarray:
+def allowed_token_ids(tokenizer: BenchTokenizer) -> np.ndarray:
+    """The ids random prompts are drawn from: whole printable text on their own."""
+    if isinstance(tokenizer, ServerTokenizer):
+        return tokenizer.plain_text_token_ids()  # read from the server a few thousand at a time
     return _allowed_token_ids(tokenizer)
 
 
@@ -116,14 +121,13 @@ def _allowed_token_ids(tokenizer: Tokenizer) -> np.ndarray:
     special |= {t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None}
     ids = [i for i in range(tokenizer.vocab_size) if i not in special]
     texts = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    allowed = [i for i, text in zip(ids, texts) if text.strip() and "\ufffd" not in text
-               and all(c.isprintable() or c in " \n\t" for c in text)]
+    allowed = [i for i, text in zip(ids, texts) if is_plain_text(text)]
     if not allowed:
         raise BenchError("the tokenizer has no plain-text tokens to build random prompts from")
     return np.asarray(allowed, dtype=np.int64)
 
 
-def fit_to_length(tokenizer: Tokenizer, head: list[int], tail_len: int, allowed: np.ndarray,
+def fit_to_length(tokenizer: BenchTokenizer, head: list[int], tail_len: int, allowed: np.ndarray,
                   rng: np.random.Generator) -> tuple[str, list[int]]:
     """A text whose tokens (without special tokens) are ``head`` followed by ``tail_len``
     random ones: draw, decode, re-encode, then trim or top up until the re-encoding has
@@ -151,7 +155,7 @@ def fit_to_length(tokenizer: Tokenizer, head: list[int], tail_len: int, allowed:
 
 # -- ShareGPT -------------------------------------------------------------------------------
 
-def sharegpt_requests(tokenizer: Tokenizer, path: Path, num: int, output_len: int | None,
+def sharegpt_requests(tokenizer: BenchTokenizer, path: Path, num: int, output_len: int | None,
                       seed: int) -> list[SampleRequest]:
     """Conversations from a ShareGPT JSON file (a list of ``{"conversations": [{"from":
     "human"|"gpt", "value": ...}, ...]}``): the first human turn is the prompt and the

@@ -14,14 +14,15 @@ import httpx
 import numpy as np
 
 from .. import __version__
-from .client import PATHS, RequestRecord, request_body, send_request
+from .client import PATHS, RequestRecord, count_output_tokens, request_body, send_request
 from .config import BenchConfig, BenchError
 from .datasets import SampleRequest, sample_requests
-from .load import arrival_times, drive
+from .load import Trace, arrival_times, drive
 from .metrics import Metrics, compute_metrics
+from .tokenizer import ServerTokenizer, find_tokenizer
 
 if TYPE_CHECKING:
-    from ..text.tokenizer import Tokenizer
+    from .tokenizer import BenchTokenizer
 
 
 @dataclass
@@ -67,7 +68,7 @@ def run_benchmark(config: BenchConfig, progress: Progress | None = None) -> Benc
 
 
 async def arun_benchmark(config: BenchConfig, progress: Progress | None = None,
-                         tokenizer: Tokenizer | None = None,
+                         tokenizer: BenchTokenizer | None = None,
                          requests: list[SampleRequest] | None = None) -> BenchResult:
     """The async form; ``tokenizer`` and ``requests`` may be given to skip loading and
     sampling them (a comparison running the same requests against several servers)."""
@@ -82,36 +83,49 @@ async def arun_benchmark(config: BenchConfig, progress: Progress | None = None,
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.max_concurrency or 100)
     timeout = httpx.Timeout(connect=10.0, read=config.request_timeout, write=60.0, pool=None)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
-        model = await served_model(http, url, config)
-        if tokenizer is None:
-            from .tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(config.tokenizer or config.model or model)
-        if requests is None:
-            requests = sample_requests(config, tokenizer)
-        arrivals = arrival_times(len(requests), config.request_rate, config.burstiness,
-                                 np.random.default_rng([config.seed, 1]))
-        endpoint = url + PATHS[config.endpoint]
-        eos = tokenizer.eos_token_id
-        bodies = {id(sample): request_body(config, model, sample, eos) for sample in requests}
-        tok = tokenizer
-
-        async def send(sample: SampleRequest, t0: float) -> RequestRecord:
-            return await send_request(http, endpoint, bodies[id(sample)], sample, tok, t0)
-
-        def done(phase: str) -> Callable[[RequestRecord], None] | None:
-            callback = progress.done
-            return None if callback is None else (lambda record: callback(phase, record))
-
-        if progress.started is not None:
-            if config.num_warmups:
-                progress.started("warmup", config.num_warmups)
-            progress.started("benchmark", len(requests))
-        trace = await drive(requests, send, arrivals.tolist(), config.max_concurrency, config.num_warmups,
-                            on_done=done("benchmark"), on_warmup_done=done("warmup"))
+    own_tokenizer = None  # a server's tokenizer opened here, closed at the end
+    try:
+        async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as http:
+            model = await served_model(http, url, config)
+            if tokenizer is None:
+                own_tokenizer = tokenizer = await asyncio.to_thread(
+                    find_tokenizer, config.tokenizer, config.model, url, model, headers)
+            if requests is None:
+                # In a worker thread: a server's tokenizer answers over HTTP, synchronously.
+                requests = await asyncio.to_thread(sample_requests, config, tokenizer)
+            trace = await _drive(config, progress, http, url, model, tokenizer, requests)
+        if isinstance(tokenizer, ServerTokenizer):
+            # Outputs without a usage count are counted now, not while the load is measured.
+            await asyncio.to_thread(count_output_tokens, trace.records, tokenizer)
+    finally:
+        if isinstance(own_tokenizer, ServerTokenizer):
+            own_tokenizer.close()
     metrics = compute_metrics(trace.records, trace.duration, config.metric_percentiles, config.goodput)
     return BenchResult(config, url, model, metrics, trace.records, started_at, trace.warmup_failures)
+
+
+async def _drive(config: BenchConfig, progress: Progress, http: httpx.AsyncClient, url: str, model: str,
+                 tokenizer: BenchTokenizer, requests: list[SampleRequest]) -> Trace:
+    arrivals = arrival_times(len(requests), config.request_rate, config.burstiness,
+                             np.random.default_rng([config.seed, 1]))
+    endpoint = url + PATHS[config.endpoint]
+    bodies = {id(sample): request_body(config, model, sample, tokenizer.eos_token_id) for sample in requests}
+    # A local tokenizer counts a usage-less output at once; a server's is left for after the run.
+    counter = None if isinstance(tokenizer, ServerTokenizer) else tokenizer
+
+    async def send(sample: SampleRequest, t0: float) -> RequestRecord:
+        return await send_request(http, endpoint, bodies[id(sample)], sample, counter, t0)
+
+    def done(phase: str) -> Callable[[RequestRecord], None] | None:
+        callback = progress.done
+        return None if callback is None else (lambda record: callback(phase, record))
+
+    if progress.started is not None:
+        if config.num_warmups:
+            progress.started("warmup", config.num_warmups)
+        progress.started("benchmark", len(requests))
+    return await drive(requests, send, arrivals.tolist(), config.max_concurrency, config.num_warmups,
+                       on_done=done("benchmark"), on_warmup_done=done("warmup"))
 
 
 def base_url(url: str) -> str:
