@@ -18,6 +18,7 @@ from ..errors import LocalserveError
 from .app import create_app
 from .config import ServerConfig
 from .guard import is_loopback
+from .startup import log_startup_summary
 from .state import ServerState
 from .systemd import SystemdNotifier
 
@@ -52,6 +53,7 @@ class DrainingServer(uvicorn.Server):
         self._reload: asyncio.Task[None] | None = None
         self._loads: set[asyncio.Task[None]] = set()  # models loading after a reload
         self._announced = False
+        self._summarized = False  # the start-up summary, logged once the preloads are done
         self._status = ""
 
     @contextmanager
@@ -86,6 +88,9 @@ class DrainingServer(uvicorn.Server):
             ollama = self.state.config.ollama_port
             self.notifier.ready(f"listening on {self.config.host}:{self.config.port}"
                                 + (f" and :{ollama} (Ollama's port)" if ollama is not None else ""))
+        if not self._summarized and self.state.ready:
+            self._summarized = True
+            self._log_summary()
         self.notifier.watchdog_tick()
         if self.reload_requested and not self.guard.draining and self._reload is None:
             self.reload_requested = False
@@ -99,6 +104,16 @@ class DrainingServer(uvicorn.Server):
                 self._end_requests()
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    def _log_summary(self) -> None:
+        # The ports as bound (a port of 0 in the config means any free one).
+        ports = [self.config.port, self.state.config.ollama_port]
+        for index, server in enumerate(self.servers[:2]):
+            sockets = getattr(server, "sockets", None) or []
+            if sockets and isinstance(name := sockets[0].getsockname(), tuple):
+                ports[index] = name[1]
+        log_startup_summary(self.state, self.config.host, int(ports[0] or 0),
+                            ports[1] if self.state.config.ollama_port is not None else None)
 
     def _end_requests(self) -> None:
         """The drain timed out: every request still running ends now with an error (a
