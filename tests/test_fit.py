@@ -324,3 +324,64 @@ def test_hf_moe_checkpoints_are_planned(tmp_path: Path, kind: str) -> None:
     assert result.active_parameters == sum(parameters.values()) - experts // 2
     assert result.weights.loaded_bytes == 2 * sum(parameters.values())
     assert result.kv_bytes_per_token == 2 * 2 * 2 * spec.head_dim * 2
+
+
+def test_fit_without_a_gpu_plans_for_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU and no --gpu-memory: the plan is for the CPU (fp32 weights and KV cache) in
+    the host's available memory, with the engine's own default pool: a quarter of what
+    the weights and one 512-token step's activations leave, for contexts of at most
+    8,192 tokens when no max_model_len is given."""
+    import torch
+
+    from localserve.engine import memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(memory, "available_host_memory", lambda: memory.HostMemory(64 * GiB, "MemAvailable, by a test"))
+    s = LLAMA_8B
+    path = llama_8b(tmp_path / "llama-3.1-8b")
+    result = CliRunner().invoke(main, ["fit", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+
+    per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * 4  # K and V, fp32: 256 KiB
+    assert summary["kv_bytes_per_token"] == per_token == 256 * 1024
+    assert (summary["device"], summary["memory"], summary["dtype"]) == ("cpu", 64 * GiB, "float32")
+    weights = 4 * 8_030_261_248  # every parameter as fp32
+    hidden, kv = s["hidden"], s["kv_heads"] * s["head_dim"]
+    activations = 512 * (5 * hidden + 2 * kv + 3 * s["ffn"]) * 4 + 64 * s["vocab"] * 4 * 2
+    room = 64 * GiB - weights - activations
+    blocks = int(room * 0.25) // (16 * per_token)  # 64 sequences of 8,192 tokens (128 GiB) would take more
+    assert (summary["weights_loaded_bytes"], summary["activation_bytes_estimate"]) == (weights, activations)
+    assert (summary["context"], summary["kv_blocks"]) == (8192, blocks)
+    assert summary["max_sequences"] == blocks // 512 == 4 and summary["fits"]
+    assert summary["largest_context"] == blocks * 16  # the model's own 131,072 would not fit
+
+    text = CliRunner().invoke(main, ["fit", str(path)]).output
+    assert "64.00 GiB available (MemAvailable, by a test; no GPU)" in text
+    assert "capped to 25% of" in text and "yes: 4 sequences of 8,192 tokens at once" in text
+
+    # Room for every sequence a step may run: the pool is sized for them, not for a quarter of the memory.
+    few = plan(path, None, EngineConfig(max_model_len=2048, max_num_seqs=2))
+    assert few.kv_blocks == 2 * 2048 // 16 and few.max_sequences == 2
+    assert few.kv_reason.startswith("sized for 2 sequences of 2,048 tokens; 25% of")
+    # A pool fixed by the options holds 32 such sequences, but a step runs at most max_num_seqs.
+    fixed = plan(path, None, EngineConfig(max_model_len=2048, max_num_seqs=4, kv_cache_memory=16 * GiB))
+    assert fixed.pool_sequences == 16 * GiB // (2048 * per_token) == 32 and fixed.max_sequences == 4
+    # More than the weights leave does not fit.
+    assert not plan(path, None, EngineConfig(max_model_len=2048, kv_cache_memory=48 * GiB)).fits
+
+
+def test_every_figure_respects_the_engine_limits(tmp_path: Path) -> None:
+    """A large GPU holds hundreds of 1,024-token sequences, but a step runs max_num_seqs,
+    no sequence is longer than max_model_len, and only running sequences are swapped
+    out to the CPU tier."""
+    path = llama_8b(tmp_path / "llama-3.1-8b")
+    config = EngineConfig(max_model_len=1024, max_num_seqs=8, cpu_offload_gb=8)
+    result = plan(path, 80 * GiB, config)
+    assert result.pool_sequences > 400  # 128 MiB per sequence in ~55 GiB
+    assert (result.max_sequences, result.largest_context, result.cpu_sequences) == (8, 1024, 0)
+    out = CliRunner().invoke(main, ["fit", str(path), "--gpu-memory", "80GiB", "--max-model-len", "1024",
+                                    "--max-num-seqs", "8", "--cpu-offload-gb", "8"]).output
+    assert f"yes: 8 sequences of 1,024 tokens at once, the max_num_seqs limit (the {result.kv_blocks * 16:,} tokens " \
+           f"of KV cache would hold {result.pool_sequences:,})" in out
+    assert "0 more sequences held in host memory while swapped out (65,536 tokens; the max_num_seqs limit" in out

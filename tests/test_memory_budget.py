@@ -9,7 +9,15 @@ import pytest
 from localserve import Engine, EngineConfig, LocalserveError, SamplingParams
 from localserve.engine.kv_cache import kv_bytes_per_block
 from localserve.engine.scheduler import Scheduler
-from localserve.engine.memory import CPU_DEFAULT_KV_MEMORY, GiB, kv_budget_bytes
+from localserve.engine import memory
+from localserve.engine.memory import GiB, HostMemory, kv_budget_bytes
+
+from .conftest import STORIES_HF
+
+
+def host_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
+    """Make the host's available memory ``available`` bytes, wherever it is read."""
+    monkeypatch.setattr(memory, "available_host_memory", lambda: HostMemory(available, "a test"))
 
 
 def test_budget_is_utilization_share_less_everything_in_use() -> None:
@@ -37,17 +45,18 @@ def test_step_size_defaults_to_the_device(llama) -> None:
         Scheduler(EngineConfig(), None)  # type: ignore[arg-type]
 
 
-def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> None:
+def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog, monkeypatch) -> None:
     path, _ = llama
-    default = Engine(path, device="cpu")
+    host_memory(monkeypatch, 16 * GiB)
+    default = Engine(path, device="cpu")  # 64 sequences of the model's 1,024 tokens
     block_bytes = kv_bytes_per_block(default.spec, 16, default.dtype)
-    assert default.stats().kv_blocks_total == CPU_DEFAULT_KV_MEMORY // block_bytes
+    assert default.stats().kv_blocks_total == 64 * 1024 // 16
 
     caplog.set_level(logging.INFO, logger="localserve")
     engine = Engine(path, EngineConfig(kv_cache_memory=10 * block_bytes), device="cpu")
     assert engine.stats().kv_blocks_total == 10 and engine.max_model_len == 160
     log = caplog.text
-    assert "capped to 160" in log and "10 blocks of 16 tokens = 160 tokens" in log
+    assert "capped to 160" in log and "10 blocks of 16 tokens = 160 tokens" in log and "kv_cache_memory set" in log
     assert "largest context that fits: 160" in log
     # A request that could never fit is refused at once, not left waiting.
     with pytest.raises(LocalserveError, match="exceeds the context of 160 tokens"):
@@ -60,10 +69,10 @@ def test_pool_from_memory_and_context_capped_with_a_message(llama, caplog) -> No
 
 @pytest.mark.parametrize("options", [{}, {"num_kv_blocks": 7}, {"kv_cache_memory": 64 << 20, "num_cpu_blocks": 5},
                                      {"num_kv_blocks": 9, "cpu_offload_gb": 0.01}])
-def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict) -> None:
+def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict, monkeypatch) -> None:
     """One rule (memory.pool_sizes): the pools a CPU engine allocates, the host memory the
-    daemon expects a load to take, and `localserve fit`'s plan when the options fix the
-    pools."""
+    daemon expects a load to take, and `localserve fit`'s plan for the CPU, and for a GPU
+    when the options fix the pools."""
     from localserve.engine.memory import pool_sizes
     from localserve.facts.fit import plan
     from localserve.formats.weights import weight_sizes
@@ -71,6 +80,7 @@ def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict) ->
     from localserve.server.footprint import needed_bytes
 
     path, _ = llama
+    host_memory(monkeypatch, 16 * GiB)
     config = EngineConfig(**options)
     engine = Engine(path, config, device="cpu")
     pools = pool_sizes(engine.config, engine.spec, engine.kv_dtype, "cpu", gpu_budget=lambda: 0)
@@ -79,6 +89,45 @@ def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict) ->
         assert pools.cpu_blocks > 0
     weights = weight_sizes(engine.checkpoint, engine.dtype).loaded_bytes
     assert needed_bytes(path, ServerConfig(engine=config, device="cpu")) == weights + pools.total_bytes
+    cpu_plan = plan(path, None, config)
+    assert (cpu_plan.kv_blocks, cpu_plan.cpu_blocks) == (pools.device_blocks, pools.cpu_blocks)
     if options:  # fixed by the options, the GPU plan has the same pools
         fit = plan(path, 24 * GiB, config, dtype=engine.dtype)
         assert (fit.kv_blocks, fit.cpu_blocks) == (pools.device_blocks, pools.cpu_blocks)
+
+
+def test_cpu_default_pool_is_sized_for_the_sequences_within_free_memory(monkeypatch, caplog) -> None:
+    """Without kv_cache_memory or num_kv_blocks a CPU engine's pool holds max_num_seqs
+    sequences of the context (not a fixed 2 GiB: a 1 MiB model sat at 2.4 GB), at most a
+    quarter of the free memory, yet one full sequence where half of it holds one; the
+    engine logs how it was sized."""
+    if not STORIES_HF.exists():
+        pytest.skip("../shared/models/stories260K-hf not present")
+    # stories260K: 5 layers, 4 KV heads of 8, a 512-token context; K and V in fp32.
+    per_token = 2 * 5 * 4 * 8 * 4
+    sequence = 512 * per_token  # 640 KiB
+    caplog.set_level(logging.INFO, logger="localserve")
+
+    def pool(available: int, **options: int) -> tuple[int, int]:
+        host_memory(monkeypatch, available)
+        engine = Engine(STORIES_HF, EngineConfig(**options), device="cpu")
+        assert kv_bytes_per_block(engine.spec, 16, engine.kv_dtype) == 16 * per_token
+        return engine.stats().kv_blocks_total, engine.max_model_len
+
+    assert pool(20 * GiB) == (64 * 512 // 16, 512)  # 40 MiB, far below 2 GiB
+    assert ("KV cache on cpu: 2048 blocks of 16 tokens = 32768 tokens (0.04 GiB, float32), sized for 64 sequences "
+            "of 512 tokens; 25% of 20.00 GiB free would allow more;") in caplog.text
+    assert pool(20 * GiB, max_num_seqs=4, max_model_len=256) == (4 * 256 // 16, 256)
+    # 64 MiB free: a quarter, 16 MiB, is less than the 40 MiB wanted.
+    assert pool(64 << 20) == ((16 << 20) // (16 * per_token), 512)
+    assert "capped to 25% of 64.00 MiB free; 64 sequences of 512 tokens would take 40.00 MiB" in caplog.text
+    # 2 MiB free: a quarter holds less than one sequence, half of it holds one.
+    assert pool(2 << 20) == (sequence // (16 * per_token), 512)
+    assert "one sequence of 512 tokens, more than 25% of 2.00 MiB free" in caplog.text
+    # 1 MiB free: not even that; the context shrinks to the quarter, with the engine's warning.
+    assert pool(1 << 20) == ((256 << 10) // (16 * per_token), 192)
+    assert "capped to 25% of 1.00 MiB free, less than one sequence" in caplog.text
+    assert "max_model_len 512 capped to 192" in caplog.text
+    # Options that fix the pool are kept exactly, whatever the memory.
+    assert pool(1 << 20, num_kv_blocks=300) == (300, 512)
+    assert pool(1 << 20, kv_cache_memory=100 * 16 * per_token) == (100, 512)

@@ -24,7 +24,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # default: the model's context, capped to what the pool holds
     num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for the KV pool; default: measured on CUDA, 2 GiB on CPU
+    # Bytes for the KV pool; default: measured on CUDA; on the CPU room for max_num_seqs
+    # sequences of the context, within a quarter of the free memory (memory.cpu_default_budget).
+    kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.90  # share of the GPU's memory localserve may use in all
     cpu_offload_gb: float = 0.0  # GiB of host memory for the CPU tier (swapped requests, spilled prefixes)
     num_cpu_blocks: int | None = None  # exact CPU-tier size; overrides cpu_offload_gb

@@ -1,12 +1,14 @@
 """How many KV blocks the device and the CPU tier hold: ``pool_sizes``, the one rule
-the engine, ``localserve fit`` (planner.py) and the daemon's memory estimate
+the engine, ``localserve fit`` (facts/fit.py) and the daemon's memory estimate
 (server/footprint.py) all follow.
 
-``num_kv_blocks`` fixes the device pool; else ``kv_cache_memory`` its bytes; else on a
-CPU-only host 2 GiB, and on CUDA what is left of ``gpu_memory_utilization`` of the GPU's
-memory after everything already there (our weights, other processes, the CUDA context)
-and after the peak activations of the largest step (measured by the engine, estimated by
-the planner). The CPU tier is ``num_cpu_blocks``, else ``cpu_offload_gb`` in blocks.
+``num_kv_blocks`` fixes the device pool; else ``kv_cache_memory`` its bytes; else on the
+CPU room for ``max_num_seqs`` sequences of the context asked for, within a share of the
+host's free memory (``cpu_default_budget``); and on CUDA what is left of
+``gpu_memory_utilization`` of the GPU's memory after everything already there (our
+weights, other processes, the CUDA context) and after the peak activations of the largest
+step (measured by the engine, estimated by the planner). The CPU tier is
+``num_cpu_blocks``, else ``cpu_offload_gb`` in blocks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats.spec import ModelSpec
 from ..formats.weights import WeightSizes
+from ..units import human_bytes
 from .config import EngineConfig
 from .cuda_graphs import StaticInputs, capture_sizes, why_eager
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
@@ -28,7 +31,15 @@ from .runner import scratch_prefill
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-CPU_DEFAULT_KV_MEMORY = 2 * GiB
+
+# The CPU's default pool (cpu_default_budget). Without max_model_len it is sized for
+# contexts of at most CPU_DEFAULT_CONTEXT tokens: a CPU prefills a few hundred tokens a
+# second, so longer prompts take minutes, and a checkpoint may declare 128K or 2**28
+# positions. It never takes more than CPU_KV_SHARE_OF_FREE of the memory free once the
+# weights are in: the rest is for the steps' activations, the CPU tier, the other models
+# the daemon loads and the rest of the host.
+CPU_DEFAULT_CONTEXT = 8192
+CPU_KV_SHARE_OF_FREE = 0.25
 
 
 # What the CUDA context, cuBLAS workspaces and allocator slack take besides tensors: an
@@ -37,14 +48,33 @@ CUDA_OVERHEAD_ESTIMATE = 512 << 20
 
 
 @dataclass(frozen=True, slots=True)
+class HostMemory:
+    """The host memory the kernel can hand out without swapping, and where the figure
+    comes from (for people)."""
+
+    available: int
+    source: str
+
+
+def available_host_memory() -> HostMemory:
+    """What psutil reports as available (on Linux /proc/meminfo's MemAvailable: free
+    memory plus the page cache and buffers that can be reclaimed)."""
+    import psutil
+
+    return HostMemory(psutil.virtual_memory().available, "MemAvailable, by psutil")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSizes:
-    """The KV pools in blocks of ``block_bytes``: on the device and in the CPU tier, and
-    the bytes the device pool was given (negative when a GPU has none left)."""
+    """The KV pools in blocks of ``block_bytes``: on the device and in the CPU tier, the
+    bytes the device pool was given (negative when a GPU has none left), and why (for the
+    engine's log line and ``fit``)."""
 
     block_bytes: int
     device_blocks: int
     cpu_blocks: int
     device_budget: int
+    reason: str
 
     @property
     def total_bytes(self) -> int:
@@ -52,22 +82,56 @@ class PoolSizes:
 
 
 def pool_sizes(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device_type: str,
-               gpu_budget: Callable[[], int]) -> PoolSizes:
-    """The pools the options give (see the module doc); ``gpu_budget`` is asked for the
-    bytes a CUDA device has left for the pool only when no option fixes its size."""
+               gpu_budget: Callable[[], int], host_free: Callable[[], int] | None = None) -> PoolSizes:
+    """The pools the options give (see the module doc). Only when no option fixes the
+    device pool's size, ``gpu_budget`` is asked for the bytes a CUDA device has left for
+    it, and on the CPU ``host_free`` for the host's free bytes (default: what
+    ``available_host_memory`` reads now)."""
     block_bytes = kv_bytes_per_block(spec, config.block_size, kv_dtype)
     if config.num_kv_blocks is not None:
-        budget = config.num_kv_blocks * block_bytes
+        budget, reason = config.num_kv_blocks * block_bytes, "num_kv_blocks set"
     elif config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
+        budget, reason = config.kv_cache_memory, "kv_cache_memory set"
     elif device_type != "cuda":
-        budget = CPU_DEFAULT_KV_MEMORY
+        free = host_free() if host_free is not None else available_host_memory().available
+        budget, reason = cpu_default_budget(config, spec, block_bytes, free)
     else:
-        budget = gpu_budget()
+        budget, reason = gpu_budget(), "what gpu_memory_utilization leaves"
     cpu_blocks = config.num_cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
-    return PoolSizes(block_bytes, max(0, budget) // block_bytes, cpu_blocks, budget)
+    return PoolSizes(block_bytes, max(0, budget) // block_bytes, cpu_blocks, budget, reason)
+
+
+def cpu_default_budget(config: EngineConfig, spec: ModelSpec, block_bytes: int, free: int) -> tuple[int, str]:
+    """The CPU's default pool in bytes, and why: whole blocks for ``max_num_seqs``
+    sequences of the planned context (every sequence a step may run, each as long as it
+    may get), but no more than CPU_KV_SHARE_OF_FREE of the ``free`` bytes; yet at least
+    one such sequence when that takes at most half of them, so that one request of the
+    full context runs wherever it can."""
+    context = planned_context(spec, config, "cpu")
+    sequence = -(-context // config.block_size) * block_bytes
+    wanted = config.max_num_seqs * sequence
+    share = int(max(0, free) * CPU_KV_SHARE_OF_FREE)
+    share_text = f"{CPU_KV_SHARE_OF_FREE:.0%} of {human_bytes(max(0, free))} free"
+    sized_for = f"{config.max_num_seqs} sequences of {context:,} tokens"
+    if wanted <= share:
+        return wanted, f"sized for {sized_for}; {share_text} would allow more"
+    if share >= sequence:
+        return share, f"capped to {share_text}; {sized_for} would take {human_bytes(wanted)}"
+    if sequence <= free // 2:
+        return sequence, f"one sequence of {context:,} tokens, more than {share_text}"
+    return share, (f"capped to {share_text}, less than one sequence of {context:,} tokens "
+                   f"({human_bytes(sequence)}); lower max_model_len or free memory")
+
+
+def planned_context(spec: ModelSpec, config: EngineConfig, device_type: str) -> int:
+    """The context a sequence is planned for (the CPU's default pool, ``fit``):
+    ``max_model_len``, else the model's own, on the CPU at most CPU_DEFAULT_CONTEXT."""
+    context = context_limit(spec, config.max_model_len)
+    if config.max_model_len is None and device_type != "cuda":
+        context = min(context, CPU_DEFAULT_CONTEXT)
+    return context
 
 
 def most_pool_tokens(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device: torch.device) -> int:

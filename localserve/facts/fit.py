@@ -3,10 +3,12 @@
 Nothing is loaded: the spec comes from config.json or the GGUF header, and each
 tensor's size from the safetensors headers or the GGUF tensor directory. The plan
 follows the engine's own rule (``engine/memory.py``'s ``pool_sizes``): unless the
-options fix it, the KV pool gets ``gpu_memory_utilization`` of the GPU less the
-weights, one step's activations (and the CUDA graphs') and the CUDA overhead, and a sequence of ``context``
-tokens needs whole blocks. Where
-the engine measures (activations, CUDA overhead) the plan estimates, and says so.
+options fix it, on a GPU the KV pool gets ``gpu_memory_utilization`` of its memory less
+the weights, one step's activations (and the CUDA graphs') and the CUDA overhead; on the
+CPU (a host without a GPU, and no --gpu-memory) the CPU's default pool, within the
+host's available memory less the weights and activations. A sequence of ``context``
+tokens needs whole blocks, and no more than ``max_num_seqs`` run at once. Where the
+engine measures (activations, CUDA overhead, free memory) the plan estimates, and says so.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ..engine import memory
 from ..engine.config import EngineConfig
 from ..engine.engine import pick_dtype
 from ..engine.memory import (CUDA_OVERHEAD_ESTIMATE, context_limit, cuda_graph_bytes, estimate_activation_peak,
-                             pool_sizes)
+                             planned_context, pool_sizes)
 from ..formats import ModelSpec, open_checkpoint
 from ..formats.weights import WeightSizes, weight_sizes
 from ..units import human_bytes
@@ -35,11 +38,17 @@ class FitPlan:
     kv_bytes_per_token: int
     block_size: int
     context: int  # tokens per sequence planned for
-    gpu_memory: int
-    usable: int  # gpu_memory x gpu_memory_utilization
+    max_context: int  # the longest the engine serves: max_model_len, else the model's own
+    max_num_seqs: int  # sequences one step runs at most
+    device: str  # "cuda" or "cpu"
+    memory: int  # the GPU's memory, or the host's available memory
+    memory_source: str  # where ``memory`` comes from
+    usable: int  # memory x gpu_memory_utilization on a GPU; all of it on the CPU
     activation_bytes: int  # estimated: the largest step's and the decode CUDA graphs'
-    overhead_bytes: int  # CUDA context etc., estimated
+    overhead_bytes: int  # CUDA context etc., estimated (0 on the CPU)
+    room: int  # what the memory has left for the KV pool once the rest is in (negative: not even that fits)
     kv_budget: int  # bytes for the KV pool (may be negative: the weights alone do not fit)
+    kv_reason: str  # how the pool was sized
     kv_blocks: int
     cpu_blocks: int
     cpu_moe_layers: int  # leading layers whose experts stay in host memory
@@ -47,6 +56,7 @@ class FitPlan:
 
     @property
     def gpu_weight_bytes(self) -> int:
+        """The weights in the device's memory (on the CPU, all of them)."""
         return self.weights.loaded_bytes - self.host_expert_bytes
 
     @property
@@ -59,23 +69,30 @@ class FitPlan:
         return -(-self.context // self.block_size)
 
     @property
-    def max_sequences(self) -> int:
-        """Sequences of the full context that the device pool holds at once."""
+    def pool_sequences(self) -> int:
+        """Sequences of the full context that the device pool could hold."""
         return self.kv_blocks // self.blocks_per_sequence
 
     @property
+    def max_sequences(self) -> int:
+        """Sequences of the full context served at once: as many as the pool holds, at
+        most ``max_num_seqs``."""
+        return min(self.pool_sequences, self.max_num_seqs)
+
+    @property
     def cpu_sequences(self) -> int:
-        """Further full-context sequences the CPU tier can hold while swapped out."""
-        return self.cpu_blocks // self.blocks_per_sequence
+        """Further full-context sequences the CPU tier holds while swapped out: only
+        running ones are swapped, so with them at most ``max_num_seqs``."""
+        return min(self.cpu_blocks // self.blocks_per_sequence, self.max_num_seqs - self.max_sequences)
 
     @property
     def largest_context(self) -> int:
-        """The longest single sequence the device pool holds."""
-        return self.kv_blocks * self.block_size
+        """The longest single sequence the device pool holds and the engine serves."""
+        return min(self.kv_blocks * self.block_size, self.max_context)
 
     @property
     def fits(self) -> bool:
-        return self.max_sequences >= 1
+        return self.max_sequences >= 1 and self.kv_budget <= self.room
 
     def summary(self) -> dict[str, object]:
         """The figures, for scripts (``localserve fit --json``)."""
@@ -92,13 +109,17 @@ class FitPlan:
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "context": self.context,
-            "gpu_memory": self.gpu_memory,
+            "device": self.device,
+            "memory": self.memory,
+            "memory_source": self.memory_source,
             "usable_bytes": self.usable,
             "activation_bytes_estimate": self.activation_bytes,
             "cuda_overhead_bytes_estimate": self.overhead_bytes,
             "kv_cache_bytes": max(0, self.kv_budget),
+            "kv_cache_sized": self.kv_reason,
             "kv_blocks": self.kv_blocks,
             "fits": self.fits,
+            "max_num_seqs": self.max_num_seqs,
             "max_sequences": self.max_sequences,
             "largest_context": self.largest_context,
             "cpu_blocks": self.cpu_blocks,
@@ -106,33 +127,40 @@ class FitPlan:
         }
 
 
-def plan(path: str | Path, gpu_memory: int, config: EngineConfig | None = None,
+def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig | None = None,
          dtype: str | torch.dtype | None = None) -> FitPlan:
-    """The plan for serving the checkpoint at ``path`` on a GPU of ``gpu_memory`` bytes
-    with these engine options (``max_model_len`` is the context planned for)."""
+    """The plan for serving the checkpoint at ``path`` on a GPU of ``gpu_memory`` bytes,
+    or with None on this host's CPU and available memory, with these engine options
+    (``max_model_len`` is the context planned for)."""
     config = config or EngineConfig()
+    device = "cpu" if gpu_memory is None else "cuda"
     checkpoint = open_checkpoint(path)
     spec = checkpoint.spec
-    model_dtype = pick_dtype(dtype, spec.torch_dtype, torch.device("cuda"))
+    model_dtype = pick_dtype(dtype, spec.torch_dtype, torch.device(device))
     weights = weight_sizes(checkpoint, model_dtype)
     # No device: whether fp8 runs depends on the GPU planned for, not on this host's.
     kv_dtype = config.resolve_kv_cache_dtype(model_dtype)
-    context = context_limit(spec, config.max_model_len)
-    step_tokens = min(config.step_tokens("cuda"), context)
-    # The largest step's activations, and what the decode CUDA graphs keep.
-    activations = (estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
-                   + cuda_graph_bytes(config, spec, model_dtype, context))
-    usable = int(gpu_memory * config.gpu_memory_utilization)
-    cpu_moe_layers = config.cpu_moe_layers(spec.num_layers)
+    context = planned_context(spec, config, device)
+    step_tokens = min(config.step_tokens(device), context)
+    activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
+    if gpu_memory is not None:
+        total, source = gpu_memory, "the GPU's memory"
+        usable, overhead = int(gpu_memory * config.gpu_memory_utilization), CUDA_OVERHEAD_ESTIMATE
+        activations += cuda_graph_bytes(config, spec, model_dtype, context)  # what the decode graphs keep
+        cpu_moe_layers = config.cpu_moe_layers(spec.num_layers)
+    else:  # all in host memory: no share of it to leave, no CUDA, no experts apart
+        host = memory.available_host_memory()
+        total, source, usable, overhead, cpu_moe_layers = host.available, host.source, host.available, 0, 0
     host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)
-    # What the GPU has left once the weights, activations and CUDA are in (may be negative).
-    left = usable - (weights.loaded_bytes - host_expert_bytes) - activations - CUDA_OVERHEAD_ESTIMATE
-    pools = pool_sizes(config, spec, kv_dtype, "cuda", lambda: left)
+    # What the memory has left once the weights, activations and CUDA are in (may be negative).
+    room = usable - (weights.loaded_bytes - host_expert_bytes) - activations - overhead
+    pools = pool_sizes(config, spec, kv_dtype, device, lambda: room, host_free=lambda: room)
     return FitPlan(
         spec=spec, weights=weights, dtype=model_dtype, kv_dtype=kv_dtype,
         kv_bytes_per_token=pools.block_bytes // config.block_size, block_size=config.block_size, context=context,
-        gpu_memory=gpu_memory, usable=usable, activation_bytes=activations, overhead_bytes=CUDA_OVERHEAD_ESTIMATE,
-        kv_budget=pools.device_budget, kv_blocks=pools.device_blocks,
+        max_context=context_limit(spec, config.max_model_len), max_num_seqs=config.max_num_seqs, device=device,
+        memory=total, memory_source=source, usable=usable, activation_bytes=activations, overhead_bytes=overhead,
+        room=room, kv_budget=pools.device_budget, kv_reason=pools.reason, kv_blocks=pools.device_blocks,
         cpu_blocks=pools.cpu_blocks, cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
     )
 
@@ -153,23 +181,40 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
                     f"unquantized tensors as {dtype_name(plan.dtype)})"),
         ("KV cache", f"{human_bytes(plan.kv_bytes_per_token)} per token ({dtype_name(plan.kv_dtype)}), "
                      f"{human_bytes(plan.kv_bytes_per_token * plan.context)} per {plan.context:,}-token sequence"),
-        ("GPU memory", f"{human_bytes(plan.usable)} usable ({human_bytes(plan.gpu_memory)} x {plan.usable / plan.gpu_memory:.2f}): "
-                       f"weights {human_bytes(plan.gpu_weight_bytes)}, activations ~{human_bytes(plan.activation_bytes)}, "
-                       f"CUDA ~{human_bytes(plan.overhead_bytes)}, KV cache {human_bytes(max(0, plan.kv_budget))}"),
     ]
+    kv_cache = human_bytes(max(0, plan.kv_budget))
+    if plan.device == "cuda":
+        lines.append(("GPU memory", f"{human_bytes(plan.usable)} usable ({human_bytes(plan.memory)} x "
+                                    f"{plan.usable / plan.memory:.2f}): weights {human_bytes(plan.gpu_weight_bytes)}, "
+                                    f"activations ~{human_bytes(plan.activation_bytes)}, "
+                                    f"CUDA ~{human_bytes(plan.overhead_bytes)}, KV cache {kv_cache}"))
+    else:
+        lines.append(("host memory", f"{human_bytes(plan.memory)} available ({plan.memory_source}; no GPU): "
+                                     f"weights {human_bytes(plan.gpu_weight_bytes)}, activations "
+                                     f"~{human_bytes(plan.activation_bytes)}, KV cache {kv_cache} ({plan.kv_reason})"))
     if plan.cpu_moe_layers and spec.num_experts:
         lines.append(("host memory", f"{human_bytes(plan.host_expert_bytes)} of experts (cpu_moe: layers "
                                      f"0-{plan.cpu_moe_layers - 1} of {spec.num_layers}) run on the CPU"))
-    if plan.fits:
+    pool_tokens = f"{plan.kv_blocks * plan.block_size:,} tokens of KV cache"
+    if plan.fits and plan.pool_sequences > plan.max_num_seqs:
+        lines.append(("fits", f"yes: {plan.max_sequences:,} sequences of {plan.context:,} tokens at once, the "
+                              f"max_num_seqs limit (the {pool_tokens} would hold {plan.pool_sequences:,})"))
+    elif plan.fits:
         lines.append(("fits", f"yes: {plan.max_sequences:,} sequences of {plan.context:,} tokens at once "
-                              f"({plan.kv_blocks * plan.block_size:,} tokens of KV cache)"))
-    elif plan.kv_budget <= 0:
-        lines.append(("fits", f"no: weights, activations and CUDA overhead alone need "
-                              f"{human_bytes(plan.usable - plan.kv_budget)} of the {human_bytes(plan.usable)} usable"))
+                              f"({pool_tokens})"))
+    elif plan.room <= 0:
+        rest = "weights, activations and CUDA overhead" if plan.device == "cuda" else "weights and activations"
+        lines.append(("fits", f"no: {rest} alone need {human_bytes(plan.usable - plan.room)} of the "
+                              f"{human_bytes(plan.usable)} {'usable' if plan.device == 'cuda' else 'available'}"))
+    elif plan.kv_budget > plan.room:
+        lines.append(("fits", f"no: a KV cache of {kv_cache} ({plan.kv_reason}) is more than the "
+                              f"{human_bytes(plan.room)} the rest leaves"))
     else:
         lines.append(("fits", f"no: the KV cache holds {plan.largest_context:,} tokens, less than one "
                               f"{plan.context:,}-token sequence; lower max_model_len or use kv_cache_dtype int8"))
     if plan.cpu_blocks:
+        held = plan.cpu_blocks // plan.blocks_per_sequence
+        limit = "" if plan.cpu_sequences == held else f"; the max_num_seqs limit, the tier would hold {held:,}"
         lines.append(("CPU offload", f"{plan.cpu_sequences:,} more sequences held in host memory while swapped out "
-                                     f"({plan.cpu_blocks * plan.block_size:,} tokens)"))
+                                     f"({plan.cpu_blocks * plan.block_size:,} tokens{limit})"))
     return lines
