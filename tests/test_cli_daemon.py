@@ -1,10 +1,12 @@
 """The registry seen through the daemon (names, pulls and removals picked up live) and
 the CLI verbs that talk to it: run (through the daemon, or in-process when there is
-none), ps, stop; show's template, license and files."""
+none), ps, stop, rm; one namespace for --model and registry names; show's template,
+license and files."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -158,3 +160,48 @@ def test_run_answers_in_json_in_process_and_through_the_daemon(home: Path) -> No
         assert remote.output == local.output
     bad = cli(home, NO_DAEMON).invoke(main, ["run", "chatty", "hi", "--schema", str(home / "nowhere.json")])
     assert bad.exit_code != 0 and "nowhere.json" in bad.output
+
+
+def test_one_name_means_one_model_everywhere(home: Path, tmp_path: Path) -> None:
+    """``--model stories=...`` beside the registry's ``stories:latest``: the --model one is
+    what every route and verb means by ``stories`` (and ``stories:latest``); the registry's
+    is hidden, with a warning. (Before, `run stories` loaded the registry's copy and `stop
+    stories` unloaded the other.)"""
+    mine = stories_with_template(tmp_path, CHAT_TEMPLATE, name="mine")
+    config = ServerConfig(models={"stories": mine}, registry_home=home, engine=small_engine_config(), device="cpu")
+    with running_server(config) as server:
+        stats = httpx.get(f"{server.url}/api/localserve/stats").json()
+        [hidden] = [e for e in stats["events"] if e["kind"] == "hidden"]
+        assert hidden["model"] == "stories:latest" and "--model stories" in hidden["message"]
+        ids = [card["id"] for card in httpx.get(f"{server.url}/v1/models").json()["data"]]
+        assert "stories" in ids and "stories:latest" not in ids
+        runner = cli(home, server.url)
+        for name in ("stories:latest", "STORIES"):
+            assert complete(server.url, name).status_code == 200
+        assert list(server.state.manager.loaded) == ["stories"]
+        assert server.state.manager.loaded["stories"].path == mine
+        ran = runner.invoke(main, ["run", "stories:latest", "Once upon a time", "--max-tokens", "4"])
+        assert ran.exit_code == 0, ran.output
+        assert list(server.state.manager.loaded) == ["stories"]  # run went to the same model
+        ps = json.loads(runner.invoke(main, ["ps", "--json"]).output)["models"]
+        assert [m["name"] for m in ps] == ["stories"]
+        assert runner.invoke(main, ["stop", "stories:latest"]).output == "stopped stories\n"
+        assert server.state.manager.loaded == {}
+
+
+def test_rm_of_a_loaded_model_unloads_it(home: Path) -> None:
+    """Removed from the registry (here by the CLI), a loaded model is unloaded within a
+    second or so, and the removal is an event whether or not anyone asked for the stats."""
+    with running_server(daemon_config(home)) as server:
+        assert complete(server.url, "chatty").status_code == 200
+        assert list(server.state.manager.loaded) == ["chatty:latest"]
+        assert cli(home, server.url).invoke(main, ["rm", "chatty"]).exit_code == 0
+        def kinds() -> list[tuple[str, str | None]]:
+            return [(e["kind"], e["model"]) for e in server.state.events.recent()]
+
+        deadline = time.monotonic() + 10
+        while ("unload", "chatty:latest") not in kinds() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.state.manager.loaded == {}
+        assert kinds()[-2:] == [("remove", "chatty:latest"), ("unload", "chatty:latest")]
+        assert complete(server.url, "chatty").status_code == 404

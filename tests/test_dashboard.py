@@ -218,6 +218,34 @@ async def test_selecting_another_model_moves_the_kv_panel() -> None:
         assert app.selected_model == "qwen:q4_k_m"
 
 
+@pytest.mark.anyio
+async def test_the_kv_panel_follows_the_busiest_model_until_one_is_picked() -> None:
+    busy_qwen = copy.deepcopy(snapshot())
+    busy_qwen["models"][0]["requests_in_flight"] = 0  # stories idle, qwen busy
+    app = dashboard(FakeSource([busy_qwen, snapshot()]))
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        assert "KV cache · qwen:q4_k_m" in widget_text(app, "#kv")  # opens on the busy one
+        await tick(app, pilot)  # now stories is the busier: the panel follows
+        assert app.selected_model == "stories:latest"
+        await pilot.press("down")  # the user picks qwen: it stays, whatever is busiest
+        await tick(app, pilot)
+        assert app.selected_model == "qwen:q4_k_m"
+
+
+@pytest.mark.anyio
+async def test_a_model_being_loaded_is_shown_with_its_progress_and_waiting_requests() -> None:
+    loading = [{"name": "llama:8b", "phase": "loading weights", "fraction": 0.42, "elapsed_s": 11.0,
+                "requests_waiting": 8}]
+    app = dashboard(FakeSource([snapshot(loading=loading)]))
+    async with app.run_test(size=SIZE) as pilot:
+        await started(app, pilot)
+        models = widget_text(app, "#models")
+        assert "llama:8b" in models and "loading: loading weights 42%" in models and "for 11s" in models
+        row = [line for line in models.splitlines() if "llama:8b" in line][0]
+        assert row.rstrip("│ ").endswith("8")  # in flight: the requests waiting for it
+
+
 def request_order(app: Dashboard) -> list[str]:
     lines = widget_text(app, "#requests").splitlines()[2:]  # the border and the header
     return [line.split()[1] for line in lines if line.strip("│ ╰─╯")]

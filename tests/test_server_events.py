@@ -1,13 +1,18 @@
 """What /api/localserve/stats tells the dashboard beyond the engine's counters: uptime, the host,
-each model's format and quantization, latency percentiles, and the event log."""
+each model's format and quantization, latency percentiles, and the event log; token rates
+that fall to 0 when idle, and in-flight counts that agree with the scheduler's."""
 
 from __future__ import annotations
 
+import asyncio
 import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from localserve.facts.checkpoint import model_info
 from localserve.registry import open_registry
@@ -53,7 +58,7 @@ def test_stats_describe_the_host_the_models_and_what_happened(tmp_path: Path) ->
 
 
 def test_a_failed_load_and_a_500_are_events(tmp_path: Path) -> None:
-    def broken(name: str, path: Path):  # type: ignore[no-untyped-def]
+    def broken(name: str, path: Path, progress: object):  # type: ignore[no-untyped-def]
         raise RuntimeError("the device caught fire")
 
     config = ServerConfig(models={"stories": STORIES_HF}, engine=small_engine_config(), device="cpu")
@@ -83,3 +88,53 @@ def test_latency_percentiles() -> None:
     assert 198 <= summary["ttft_ms_p99"] <= 200
     assert _percentiles("tpot_ms", []) == {"tpot_ms_p50": None, "tpot_ms_p99": None}
     assert _percentiles("tpot_ms", [0.004]) == {"tpot_ms_p50": 4.0, "tpot_ms_p99": 4.0}
+
+
+def test_token_rates_fall_to_zero_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, an idle engine's rates froze at their last busy value (the dashboard showed
+    631.7 tok/s minutes after the load ended). A 1 s window here, 10 s in the daemon."""
+    from localserve.engine import async_engine
+    from localserve.engine.async_engine import AsyncEngine
+    from localserve.engine.engine import Engine
+    from localserve.engine.sampling_params import SamplingParams
+
+    monkeypatch.setattr(async_engine, "_RATE_WINDOW_S", 1.0)
+    engine = AsyncEngine(lambda: Engine(STORIES_HF, small_engine_config(), device="cpu"))
+
+    async def generate() -> None:
+        stream = await engine.add_request([1, 403, 407], SamplingParams(max_tokens=32, ignore_eos=True))
+        async for _ in stream:
+            pass
+
+    try:
+        asyncio.run(generate())
+        deadline = time.monotonic() + 1
+        while time.monotonic() < deadline and not engine.stats.generation_tokens_per_s:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert engine.stats.generation_tokens_per_s > 0  # type: ignore[union-attr,operator]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (engine.stats.generation_tokens_per_s  # type: ignore[union-attr]
+                                               or engine.stats.prompt_tokens_per_s):  # type: ignore[union-attr]
+            time.sleep(0.05)
+        assert engine.stats.generation_tokens_per_s == 0 and engine.stats.prompt_tokens_per_s == 0  # type: ignore[union-attr]
+    finally:
+        engine.shutdown()
+
+
+def test_in_flight_counts_agree_with_the_scheduler(tmp_path: Path) -> None:
+    """The models table's "in flight" and the scheduler panel's counts come from one
+    snapshot (before: a live count beside a 0.25 s-old one, "in flight 1" beside "running 8")."""
+    config = ServerConfig(models={"stories": STORIES_HF}, preload=["stories"], engine=small_engine_config(),
+                          device="cpu")
+    body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
+    with running_server(config) as server, httpx.Client(timeout=60) as client:
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(client.post, f"{server.url}/v1/completions", json=body) for _ in range(4)]
+            seen = set()
+            while not all(answer.done() for answer in answers):
+                [model] = client.get(f"{server.url}/api/localserve/stats").json()["models"]
+                engine = model["engine"]
+                assert model["requests_in_flight"] == engine["num_running"] + engine["num_waiting"] + \
+                    engine["num_swapped"]
+                seen.add(model["requests_in_flight"])
+            assert max(seen) == 4

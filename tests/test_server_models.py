@@ -6,13 +6,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from safetensors import safe_open
 
-from localserve.engine.stats import EngineStats
+from localserve.engine.engine import Engine
+from localserve.engine.stats import EngineStats, LoadProgress
 from localserve.server.app import open_engine
 from localserve.server.catalog import ModelCatalog
 from localserve.server.config import ServerConfig
@@ -115,9 +119,9 @@ def test_loading_answers_503_to_clients_that_will_not_wait(model_path: Path) -> 
     config = config_for(model_path, preload=["a"])
     real = open_engine(config)
 
-    def slow(name: str, path: Path):  # type: ignore[no-untyped-def]
+    def slow(name: str, path: Path, progress: LoadProgress):  # type: ignore[no-untyped-def]
         time.sleep(1.5)
-        return real(name, path)
+        return real(name, path, progress)
 
     with running_server(config, load=slow, wait_ready=False) as server:
         health = httpx.get(f"{server.url}/health")
@@ -129,6 +133,51 @@ def test_loading_answers_503_to_clients_that_will_not_wait(model_path: Path) -> 
         assert response.json()["error"]["code"] == "model_unavailable"
         assert complete(server.url, "a").status_code == 200  # waits for the load
         assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_model_being_loaded_is_in_the_stats_with_its_progress_and_waiting_requests(model_path: Path) -> None:
+    """Before, a loading model was nowhere in the stats: 8 requests waited 11 s while the
+    dashboard showed nothing."""
+    config = config_for(model_path)
+    real = open_engine(config)
+    go = threading.Event()
+
+    def held(name: str, path: Path, progress: LoadProgress):  # type: ignore[no-untyped-def]
+        progress.step("loading weights", total=10)
+        progress.done = 4
+        go.wait(30)
+        return real(name, path, progress)
+
+    def loading() -> list[dict]:
+        return httpx.get(f"{server.url}/api/localserve/stats").json()["loading"]
+
+    with running_server(config, load=held) as server, ThreadPoolExecutor(3) as pool:
+        answers = [pool.submit(complete, server.url, "a") for _ in range(3)]
+        assert wait_until(lambda: loading() and loading()[0]["requests_waiting"] == 3)
+        [entry] = loading()
+        assert entry["name"] == "a" and entry["phase"] == "loading weights" and entry["fraction"] == 0.4
+        assert entry["elapsed_s"] >= 0
+        go.set()
+        assert [answer.result().status_code for answer in answers] == [200] * 3
+        assert loading() == []
+
+
+def test_the_engine_reports_its_load_progress(model_path: Path) -> None:
+    progress = LoadProgress()
+    Engine(model_path, small_engine_config(), device="cpu", progress=progress)
+    assert progress.phase == "sizing the KV cache" and progress.total == 0  # the last step on a CPU
+    seen: list[tuple[str, int, int]] = []
+
+    class Watched(LoadProgress):
+        def step(self, phase: str, total: int = 0) -> None:
+            if self.phase == "loading weights":
+                seen.append((self.phase, self.done, self.total))
+            super().step(phase, total)
+
+    Engine(model_path, small_engine_config(), device="cpu", progress=Watched())
+    with safe_open(model_path / "model.safetensors", "pt") as weights:
+        tensors = len(list(weights.keys()))
+    assert seen == [("loading weights", tensors, tensors)]  # every tensor counted, then the next step
 
 
 class FakeEngine:
@@ -145,7 +194,7 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
     available = {"bytes": 10}
     engines: dict[str, FakeEngine] = {}
 
-    def load(name: str, path: Path) -> FakeEngine:
+    def load(name: str, path: Path, progress: LoadProgress) -> FakeEngine:
         engines[name] = FakeEngine()
         available["bytes"] -= 4
         return engines[name]
@@ -185,7 +234,7 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
 
 def test_limit_reached_with_every_model_busy_is_503() -> None:
     async def run() -> None:
-        manager = ModelManager(ModelCatalog({"a": Path("a"), "b": Path("b")}), lambda name, path: FakeEngine(),  # type: ignore[arg-type,return-value]
+        manager = ModelManager(ModelCatalog({"a": Path("a"), "b": Path("b")}), lambda name, path, progress: FakeEngine(),  # type: ignore[arg-type,return-value]
                                ManagerOptions(max_loaded_models=1))
         await manager.acquire("a")
         with pytest.raises(ModelUnavailableError) as raised:

@@ -96,8 +96,9 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
                type=int),
         option("--gpu-memory-utilization", "Share of the GPU's memory to use; the KV cache gets what the weights "
                "and activations leave.", type=float),
-        option("--kv-cache-memory", "Size of the device KV cache (e.g. 4GiB); default: measured on CUDA, "
-               "2GiB on CPU.", type=ByteSize()),
+        option("--kv-cache-memory", "Size of the device KV cache (e.g. 4GiB); default: measured on CUDA; on "
+               "the CPU room for --max-num-seqs sequences of the context, at most 25% of free memory.",
+               type=ByteSize()),
         option("--kv-cache-dtype", "auto is the model's dtype; int8 and fp8 take about half of fp16.",
                type=click.Choice(list(KV_CACHE_DTYPES))),
         option("--cpu-offload-gb", "GiB of host memory for swapped requests and spilled prefix blocks.", type=float),
@@ -196,8 +197,8 @@ def _read_schema(path: Path) -> dict[str, Any]:
 
 
 def _run_backend(model: str, device: str | None, dtype: str | None, options: dict[str, object]) -> Backend:
-    """The daemon when one is reachable and serves ``model`` (a registry name), else an
-    engine in this process."""
+    """The daemon when one is reachable and serves ``model`` (a name: what the daemon
+    means by it, as ``stop`` and ``ps`` do), else an engine in this process."""
     from ..client import DaemonClient
     from ..engine.engine import Engine
     from ..registry import open_registry
@@ -205,12 +206,11 @@ def _run_backend(model: str, device: str | None, dtype: str | None, options: dic
 
     path = Path(model).expanduser()
     if not path.exists():
-        registry = open_registry()
-        record = registry.get(model)
-        path = registry.path(record.name)
         client = DaemonClient()
-        if client.reachable() and (backend := daemon_backend(client, str(record.name), path)) is not None:
+        if client.reachable() and (backend := daemon_backend(client, model)) is not None:
             return backend
+        registry = open_registry()
+        path = registry.path(registry.get(model).name)
     return LocalBackend(Engine(path, engine_config(options), device=device, dtype=dtype))
 
 
@@ -333,26 +333,27 @@ def doctor(as_json: bool, no_bench: bool) -> None:
 @main.command()
 @click.argument("model", type=ModelPath())
 @click.option("--gpu-memory", type=ByteSize(), default=None,
-              help="The GPU's memory (e.g. 24GiB); default: this machine's first GPU.")
-@click.option("--dtype", default=None, help="Dtype of unquantized weights; default as the engine picks on CUDA.")
+              help="The GPU's memory (e.g. 24GiB); default: this machine's first GPU, or without one the CPU "
+              "and this host's available memory.")
+@click.option("--dtype", default=None, help="Dtype of unquantized weights; default as the engine picks on the "
+              "device planned for.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @engine_options
 def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **options: object) -> None:
-    """Whether MODEL fits a GPU and how many sequences it serves at once, from the
-    model's metadata alone (no weights are loaded). The context planned for is
-    --max-model-len (default: the model's); --cpu-offload-gb adds the sequences the
-    CPU tier can hold."""
+    """Whether MODEL fits a GPU (on a host without one: this host's memory, served by the
+    CPU) and how many sequences it serves at once, from the model's metadata alone (no
+    weights are loaded). The context planned for is --max-model-len (default: the model's,
+    on the CPU at most 8,192 tokens); --cpu-offload-gb adds the sequences the CPU tier
+    can hold."""
     import json
 
     import torch
 
     from ..facts.fit import describe, plan
 
-    if gpu_memory is None:
-        if not torch.cuda.is_available():
-            raise click.UsageError("no GPU here: give the GPU's memory with --gpu-memory (e.g. 24GiB)")
+    if gpu_memory is None and torch.cuda.is_available():
         gpu_memory = torch.cuda.get_device_properties(0).total_memory
-    result = plan(model, gpu_memory, engine_config(options), dtype)
+    result = plan(model, gpu_memory, engine_config(options), dtype)  # gpu_memory None: the CPU and host memory
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2))
         return
@@ -476,7 +477,7 @@ def top(url: str | None, interval: float) -> None:
 @click.option("--served-model-name", default=None, help="Request this name instead (then --model only picks the "
               "tokenizer).")
 @click.option("--tokenizer", default=None, help="A .gguf file, HF checkpoint folder or registry name; default: "
-              "--model as a path or registry name.")
+              "--model as a path or registry name, else the server's own (its /tokenize and /detokenize).")
 @click.option("--endpoint", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
               help="/v1/completions or /v1/chat/completions.")
 @click.option("--api-key", default=None, envvar="LOCALSERVE_API_KEY", help="Sent as Bearer (env LOCALSERVE_API_KEY).")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .chat_repl import ChatSettings
@@ -133,18 +132,14 @@ def _pieces(thinking: str, answer: str) -> Iterator[str]:
         yield answer
 
 
-def daemon_backend(client: DaemonClient, model: str, path: Path) -> DaemonBackend | None:
-    """The daemon, if it serves ``model``; None if it does not know that name."""
+def daemon_backend(client: DaemonClient, model: str) -> DaemonBackend | None:
+    """The daemon, if it serves ``model`` (under the name it gives it: a ``--model`` name
+    wins over the registry's, as everywhere in the daemon); None if it knows no such name."""
     try:
-        client.get(f"/v1/models/{model}")
+        name = client.get(f"/v1/models/{model}")["id"]
     except DaemonError as exc:
         if exc.status == 404:
             return None
         raise
-    return DaemonBackend(client, model, has_chat_template(path))
-
-
-def has_chat_template(path: Path) -> bool:
-    from ..formats import open_checkpoint
-
-    return open_checkpoint(path).chat_template_or_none() is not None
+    shown = client.post("/api/show", {"model": name})
+    return DaemonBackend(client, name, bool(shown.get("template")))

@@ -216,7 +216,9 @@ class AsyncEngine:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self._refresh_stats(force=True)
-                self._wake.wait()
+                # While the rates still count recent tokens, refresh on, so they fall to 0
+                # as the window empties instead of freezing at their last busy value.
+                self._wake.wait(None if self._rates_settled() else _STATS_INTERVAL_S)
                 self._wake.clear()
                 continue
             try:
@@ -255,6 +257,10 @@ class AsyncEngine:
             self.engine.abort(request_id)
         if streams and self._loop is not None:
             self._loop.call_soon_threadsafe(_deliver, [(stream, error) for stream in streams])
+
+    def _rates_settled(self) -> bool:
+        stats = self.stats
+        return stats is None or (stats.prompt_tokens_per_s == 0 and stats.generation_tokens_per_s == 0)
 
     def _refresh_stats(self, force: bool = False) -> None:
         now = time.monotonic()

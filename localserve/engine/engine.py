@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -12,8 +13,8 @@ import torch
 from .. import models
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
-from ..formats.layout import check_tensors
-from ..formats.weights import weight_sizes
+from ..formats.layout import check_tensors, layout
+from ..formats.weights import NamedWeight, weight_sizes
 from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
 from . import cuda_graphs
@@ -27,10 +28,16 @@ from .request import Request
 from .runner import ModelRunner, RunnerOutput, warmup_token_counts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledBatch
-from .stats import EngineStats
+from .stats import EngineStats, LoadProgress
 from .structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
+
+
+def _counted(weights: Iterator[NamedWeight], progress: LoadProgress) -> Iterator[NamedWeight]:
+    for weight in weights:
+        yield weight
+        progress.done += 1
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -61,7 +68,11 @@ class Engine:
         config: EngineConfig | None = None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
+        """Load ``model``; ``progress`` follows the load (the daemon shows it)."""
+        progress = progress or LoadProgress()
+        progress.step("reading the checkpoint")
         self.device = pick_device(device)
         self.config = (config or EngineConfig()).for_device(self.device.type)
         checkpoint = open_checkpoint(model)
@@ -86,23 +97,28 @@ class Engine:
                                     cpu_kernels=not self.config.disable_cpu_kernels)
         if self.device.type == "cuda":
             check_weights_fit(weight_sizes(checkpoint, self.dtype), self.config, spec.num_layers, self.device)
-        self.model = models.build(spec, checkpoint.weights(), self.device, self.dtype, context,
+        progress.step("loading weights", total=len(layout(spec).shapes))
+        self.model = models.build(spec, _counted(checkpoint.weights(), progress), self.device, self.dtype, context,
                                   cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
                                   exact_cpu_matmul=self.config.exact_cpu_matmul,
                                   cpu_kernels=self.kernels.cpu_kernels)
+        progress.step("sizing the KV cache")
         with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
                 self.config, self.model, spec, self.kv_dtype, self.device, context))
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
-        self.max_model_len = self._cap_to_pool(wanted, num_blocks * block_size)  # <= context
+        # <= context: the CPU's default pool follows the free memory, read again now that
+        # the weights are in, and memory freed meanwhile must not outgrow the model's tables.
+        self.max_model_len = self._cap_to_pool(wanted, min(num_blocks * block_size, context))
         kv_caches = allocate_kv_tensors(spec, num_blocks, block_size, self.kv_dtype, self.device)
         cpu_caches = allocate_kv_tensors(spec, num_cpu_blocks, block_size, self.kv_dtype, torch.device("cpu"),
                                          pin_memory=self.device.type == "cuda")
         log.info(
-            "KV cache on %s: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); largest context that fits: %d; "
-            "CPU tier: %d blocks (%d tokens)",
+            "KV cache on %s: %d blocks of %d tokens = %d tokens (%.2f GiB, %s), %s; shared by all running sequences; "
+            "largest context that fits: %d tokens per sequence; CPU tier: %d blocks (%d tokens)",
             self.device, num_blocks, block_size, num_blocks * block_size, num_blocks * block_bytes / (1 << 30),
-            str(self.kv_dtype).removeprefix("torch."), self.max_model_len, num_cpu_blocks, num_cpu_blocks * block_size,
+            str(self.kv_dtype).removeprefix("torch."), pools.reason, self.max_model_len, num_cpu_blocks,
+            num_cpu_blocks * block_size,
         )
 
         self.kv = KVCacheManager(BlockPool(num_blocks), BlockPool(num_cpu_blocks), block_size,
@@ -111,6 +127,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, self.kernels)
         if self.device.type == "cuda":
+            progress.step("warming up")
             self._warm_up()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}

@@ -1,12 +1,14 @@
 """What an engine reports about itself: ``EngineStats``, one typed snapshot that the
 engine fills, the AsyncEngine completes with token rates, ``/metrics`` reads field by
 field, ``/api/localserve/stats`` serializes (``as_dict``) and the dashboard reads back
-(``from_dict``). A renamed field breaks its readers at once, not silently."""
+(``from_dict``). A renamed field breaks its readers at once, not silently. And
+``LoadProgress``: where a model's load stands, before there is an engine to report."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +71,21 @@ _FIELD_CHECKS: dict[str, Callable[[object], bool]] = {
     "str": lambda value: isinstance(value, str),
     "float | None": lambda value: value is None or _is_int(value) or isinstance(value, float),
 }
+
+
+@dataclass(slots=True)
+class LoadProgress:
+    """How far a model's load has got: written by the loading thread (plain attribute
+    stores), read by the daemon's stats for the dashboard."""
+
+    phase: str = "waiting to start"
+    done: int = 0  # of ``total`` (the weights read so far, in tensors)
+    total: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def step(self, phase: str, total: int = 0) -> None:
+        self.phase, self.done, self.total = phase, 0, total
+
+    def as_dict(self) -> dict[str, object]:
+        return {"phase": self.phase, "fraction": round(min(1.0, self.done / self.total), 3) if self.total else None,
+                "elapsed_s": round(time.monotonic() - self.started, 1)}

@@ -38,6 +38,7 @@ async def unload(request: Request, body: UnloadRequest) -> dict[str, Any]:
 async def stats(request: Request) -> dict[str, Any]:
     """Everything the dashboard shows, per loaded model."""
     state = state_of(request)
+    await state.manager.check_registry()  # what changed since the watcher last looked shows now
     models = []
     for model in list(state.manager.loaded.values()):
         models.append({
@@ -48,11 +49,12 @@ async def stats(request: Request) -> dict[str, Any]:
             "recent": state.metrics.recent_summary(model.name),
         })
     known = state.manager.names()
-    state.events.note_registry([name for name in known if name not in state.config.models])
+    loading = [{"name": name, **progress.as_dict(), "requests_waiting": state.manager.waiting.get(name, 0)}
+               for name, progress in list(state.manager.load_progress.items())]
     return {"version": __version__, "ready": state.ready, "draining": state.guard.draining,
             "started_at": iso(state.started_at), "uptime_s": round(time.time() - state.started_at, 1),
             "host": host_stats(state.device, state.device_name),
-            "known_models": known, "models": models, "events": state.events.recent()}
+            "known_models": known, "models": models, "loading": loading, "events": state.events.recent()}
 
 
 @router.get("/health")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -17,13 +17,14 @@ from starlette.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
+from ..engine.stats import LoadProgress
 from . import admin_api, anthropic_api, embeddings, errors, ollama_api, ollama_models, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
 from .catalog import ModelCatalog
 from .events import EventLog
 from .config import ServerConfig
-from .model_manager import ManagerOptions, ModelManager
+from .model_manager import Loader, ManagerOptions, ModelManager
 from .state import ServerState
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,11 @@ log = logging.getLogger(__name__)
 ANTHROPIC_HEADERS = ["x-api-key", "anthropic-version", "anthropic-beta", "anthropic-dangerous-direct-browser-access"]
 
 
-def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
+def open_engine(config: ServerConfig) -> Loader:
     """The manager's loader: an AsyncEngine, which builds its Engine on its own thread
-    (the calling worker thread waits for it)."""
+    (the calling worker thread waits for it), reporting into ``progress``."""
 
-    def load(name: str, path: Path) -> AsyncEngine:
+    def load(name: str, path: Path, progress: LoadProgress) -> AsyncEngine:
         from ..engine.engine import Engine
         from ..errors import InsufficientMemoryError
         from .footprint import memory_footprint
@@ -46,7 +47,7 @@ def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
 
         def make_engine() -> Engine:
             try:
-                return Engine(path, config.engine, device=config.device, dtype=config.dtype)
+                return Engine(path, config.engine, device=config.device, dtype=config.dtype, progress=progress)
             except torch.OutOfMemoryError as exc:
                 raise InsufficientMemoryError(f"{name}: out of device memory while loading ({exc})") from exc
 
@@ -55,7 +56,7 @@ def open_engine(config: ServerConfig) -> Callable[[str, Path], AsyncEngine]:
     return load
 
 
-def create_app(config: ServerConfig, load: Callable[[str, Path], AsyncEngine] | None = None) -> FastAPI:
+def create_app(config: ServerConfig, load: Loader | None = None) -> FastAPI:
     """The app for ``config``; ``load`` replaces the engine loader (tests)."""
     from .footprint import needed_bytes
 

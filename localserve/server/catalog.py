@@ -1,7 +1,11 @@
-"""The names the daemon serves: the ``--model`` ones, then the registry's.
+"""The names the daemon serves: the ``--model`` ones, then the registry's, as one namespace.
 
 The registry is read at each lookup (a small sqlite query), so a model pulled or
 removed by the CLI is served, or refused, from the next request on, with no restart.
+
+A ``--model`` name wins: ``stories`` given with ``--model`` is what ``stories`` and
+``stories:latest`` mean to every route and command, and a registry model of that name
+is hidden (the daemon warns at start), so no two models answer to one name.
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ class ModelCatalog:
         return old
 
     def find(self, name: str) -> CatalogEntry:
-        if name in self.sources:
-            path = self.sources[name]
-            return CatalogEntry(name, path, str(path), path.stat().st_mtime if path.exists() else 0.0)
+        source = self._source_named(name)
+        if source is not None:
+            path = self.sources[source]
+            return CatalogEntry(source, path, str(path), path.stat().st_mtime if path.exists() else 0.0)
         entry = self._registered(name)
         if entry is None:
             known = ", ".join(self.names()[:20]) or "none"
@@ -57,13 +62,23 @@ class ModelCatalog:
         return entry
 
     def canonical(self, name: str) -> str | None:
-        """``stories`` -> ``stories:latest`` for a registry name; None when unknown."""
+        """The name ``name`` is known by: a ``--model`` name (``stories`` and
+        ``stories:latest`` alike, when ``stories`` was given), else the registry's form
+        (``stories`` -> ``stories:latest``); None when it cannot be a name."""
+        return self._source_named(name) or _registry_form(name)
+
+    def _source_named(self, name: str) -> str | None:
+        """The ``--model`` name that ``name`` means, if any."""
         if name in self.sources:
             return name
-        try:
-            return str(parse_name(name))
-        except LocalserveError:
-            return None
+        form = _registry_form(name)
+        return next((source for source in self.sources if form is not None and _registry_form(source) == form), None)
+
+    def hidden(self) -> list[str]:
+        """Registry models that a ``--model`` name hides."""
+        if self.registry is None:
+            return []
+        return [str(r.name) for r in self.registry.list() if self._source_named(str(r.name)) is not None]
 
     def _registered(self, name: str) -> CatalogEntry | None:
         canonical = self.canonical(name)
@@ -79,16 +94,27 @@ class ModelCatalog:
         return CatalogEntry(canonical, path, version, created)
 
     def names(self) -> list[str]:
+        return sorted(self.sources) + self.registered()
+
+    def registered(self) -> list[str]:
+        """The registry's models this daemon serves (those no ``--model`` name hides)."""
         registered = [str(r.name) for r in self.registry.list()] if self.registry is not None else []
-        return sorted(self.sources) + [name for name in registered if name not in self.sources]
+        return [name for name in registered if self._source_named(name) is None]
 
     def touch(self, name: str) -> None:
         """Note in the registry that ``name`` was loaded (its ``last_used``)."""
-        if self.registry is not None and name not in self.sources:
+        if self.registry is not None and self._source_named(name) is None:
             try:
                 self.registry.touch(parse_name(name))
             except LocalserveError:
                 pass
+
+
+def _registry_form(name: str) -> str | None:
+    try:
+        return str(parse_name(name))
+    except LocalserveError:
+        return None
 
 
 def _epoch(iso: str) -> float:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from ..text.chat_template import ChatTemplate
 from ..engine.async_engine import AsyncEngine
+from ..engine.memory import available_host_memory
+from ..engine.stats import LoadProgress
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..text.tokenizer import Tokenizer
 from .catalog import ModelCatalog
@@ -32,12 +34,17 @@ log = logging.getLogger(__name__)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _EXPIRY_CHECK_S = 0.25
+_REGISTRY_CHECK_S = 1.0  # how soon a pull or removal by the CLI is noticed (logged; a removed model unloaded)
 # Characters a prompt may hold per token of the context: far more than any tokenizer packs
 # into a token on average, so a longer prompt could never fit, and is refused untokenized.
 MAX_CHARS_PER_TOKEN = 64
 # The longest finite keep-alive: ten years. Longer is a mistake (-1 keeps a model forever),
 # and a time that far out cannot be shown as a date.
 MAX_KEEP_ALIVE_S = 10 * 365 * 24 * 3600
+
+
+# Builds a model's engine (on a worker thread), reporting how far it got.
+Loader = Callable[[str, Path, LoadProgress], AsyncEngine]
 
 
 class ModelUnavailableError(LocalserveError):
@@ -162,31 +169,19 @@ class LoadedModel:
         return time.time() + (self.expires_at - time.monotonic())
 
 
-def read_available_memory() -> int | None:
-    """Host memory the kernel says is available (Linux), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 @dataclass
 class ManagerOptions:
     default_keep_alive: float = DEFAULT_KEEP_ALIVE_S  # seconds; math.inf keeps forever
     max_loaded_models: int = 3
     # Bytes a load would take beyond what is there (None: do not check); see needed_bytes.
     needed_bytes: Callable[[Path], int | None] = lambda path: None
-    available_bytes: Callable[[], int | None] = read_available_memory
+    available_bytes: Callable[[], int | None] = lambda: available_host_memory().available
 
 
 class ModelManager:
     """Owns the loaded models; all methods run on the server's event loop."""
 
-    def __init__(self, catalog: ModelCatalog, open_engine: Callable[[str, Path], AsyncEngine],
+    def __init__(self, catalog: ModelCatalog, open_engine: Loader,
                  options: ManagerOptions | None = None, events: EventLog | None = None) -> None:
         self.catalog = catalog
         self.events = events or EventLog()
@@ -194,7 +189,9 @@ class ModelManager:
         self._open_engine = open_engine
         self.loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Task[LoadedModel]] = {}
-        self._expiry_task: asyncio.Task[None] | None = None
+        self.load_progress: dict[str, LoadProgress] = {}  # the loads under way
+        self.waiting: dict[str, int] = {}  # requests waiting for a load under way, per model
+        self._background: list[asyncio.Task[None]] = []
 
     def names(self) -> list[str]:
         return self.catalog.names()
@@ -260,10 +257,15 @@ class ModelManager:
                 task = asyncio.get_running_loop().create_task(self._load(name, entry.path, entry.version))
                 self._loading[name] = task
                 task.add_done_callback(lambda _: self._loading.pop(name, None))
+            self.waiting[name] = self.waiting.get(name, 0) + 1
             try:
                 model = await asyncio.wait_for(asyncio.shield(task), wait)
             except TimeoutError:
                 raise ModelUnavailableError(f"model {name!r} is loading; retry shortly", retry_after=2) from None
+            finally:
+                self.waiting[name] -= 1
+                if not self.waiting[name]:
+                    del self.waiting[name]
         if keep_alive is not None:
             model.keep_alive = keep_alive
             if model.idle:
@@ -271,13 +273,21 @@ class ModelManager:
         return model
 
     async def _load(self, name: str, path: Path, version: str) -> LoadedModel:
+        progress = self.load_progress[name] = LoadProgress()
+        try:
+            return await self._load_reporting(name, path, version, progress)
+        finally:
+            del self.load_progress[name]
+
+    async def _load_reporting(self, name: str, path: Path, version: str, progress: LoadProgress) -> LoadedModel:
         started = time.monotonic()
+        progress.step("making room")
         while len(self.loaded) >= self.options.max_loaded_models:
             await self._unload_lru_idle(f"{len(self.loaded)} models are loaded, the most allowed")
         await self._make_room(path)
         while True:
             try:
-                engine = await asyncio.to_thread(self._open_engine, name, path)
+                engine = await asyncio.to_thread(self._open_engine, name, path, progress)
                 break
             except InsufficientMemoryError as exc:
                 await self._unload_lru_idle(str(exc))
@@ -353,11 +363,17 @@ class ModelManager:
     # -- expiry ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._expiry_task = asyncio.get_running_loop().create_task(self._expire_forever())
+        for name in self.catalog.hidden():
+            message = (f"the registry's {name} is not served: --model {self.catalog.canonical(name)} has its name "
+                       "(rename one of them to serve both)")
+            log.warning("%s", message)
+            self.events.add("hidden", name, message)
+        loop = asyncio.get_running_loop()
+        self._background = [loop.create_task(self._expire_forever()), loop.create_task(self._watch_registry_forever())]
 
     async def stop(self) -> None:
-        if self._expiry_task is not None:
-            self._expiry_task.cancel()
+        for task in self._background:
+            task.cancel()
         for task in list(self._loading.values()):
             task.cancel()
         await self.unload_all()
@@ -368,6 +384,28 @@ class ModelManager:
             await asyncio.sleep(_EXPIRY_CHECK_S)
             for model in list(self.loaded.values()):
                 await self._unload_if_expired(model)
+
+    async def _watch_registry_forever(self) -> None:
+        while True:
+            try:
+                await self.check_registry()
+            except Exception:  # a registry mid-rewrite, say: next time
+                log.debug("registry check failed", exc_info=True)
+            await asyncio.sleep(_REGISTRY_CHECK_S)
+
+    async def check_registry(self) -> None:
+        """Log the models pulled or removed since the last look (the CLI changes the
+        registry; the daemon only sees the result), and unload a removed model that is
+        loaded: at once if idle, else after its last request."""
+        registered = self.catalog.registered()
+        self.events.note_registry(registered)
+        for name, model in list(self.loaded.items()):
+            if name in registered or name in self.catalog.sources:
+                continue
+            if model.idle:
+                await self.unload(name, "removed from the registry")
+            else:
+                model.keep_alive = 0  # release() unloads it once idle
 
     async def _unload_if_expired(self, model: LoadedModel) -> None:
         expired = model.idle and model.expires_at is not None and model.expires_at <= time.monotonic()

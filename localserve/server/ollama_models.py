@@ -182,8 +182,15 @@ def _loaded_model(model: LoadedModel, entry: CatalogEntry | None, facts: ModelFa
         # localserve's
         "path": str(model.path), "loaded_at": iso(model.loaded_at),
         "keep_alive_s": None if model.keep_alive == float("inf") else model.keep_alive,
-        "requests_in_flight": model.engine.num_in_flight, "max_model_len": model.max_model_len, "memory": memory,
+        "requests_in_flight": _in_flight(model), "max_model_len": model.max_model_len, "memory": memory,
     }
+
+
+def _in_flight(model: LoadedModel) -> int:
+    """The engine's requests, from the same snapshot as its scheduler counts (so the
+    dashboard's figures agree with each other)."""
+    stats = model.engine.stats
+    return stats.num_running + stats.num_waiting + stats.num_swapped if stats is not None else 0
 
 
 async def loaded_model(request: Request, model: LoadedModel) -> dict[str, Any]:
@@ -215,10 +222,10 @@ def _registry(request: Request):  # type: ignore[no-untyped-def]
 
 def _registered(request: Request, name: str) -> str:
     """The registry name ``name`` means; errors for a --model source or an unknown name."""
-    catalog = state_of(request).manager.catalog
-    if name in catalog.sources:
+    entry = state_of(request).manager.catalog.find(name)
+    if entry.name in state_of(request).manager.catalog.sources:
         raise LocalserveError(f"{name!r} is a --model path given to the server, not a registry model")
-    return catalog.find(name).name
+    return entry.name
 
 
 @router.delete("/api/delete")

@@ -155,6 +155,7 @@ ConfirmUnload .dialog { width: 60; }
         self._fetching = False
         self._retry_at = 0.0  # time.monotonic() when an unauthorized dashboard asks again
         self._model_names: list[str] = []
+        self._picked = False  # the user chose a model: the KV panel stops following the busiest
 
     # -- layout ---------------------------------------------------------------------
 
@@ -288,15 +289,20 @@ ConfirmUnload .dialog { width: 60; }
 
     def _show_models(self, now: float) -> None:
         table = self.query_one("#models", DataTable)
-        selected = self.selected_model
-        rows = [view.model_row(m, now) for m in view.models_of(self.monitor.stats)]
+        selected = self.selected_model if self._picked else view.busiest_model(self.monitor.stats)
+        stats = self.monitor.stats
+        rows = [view.model_row(m, now) for m in view.models_of(stats)] + view.loading_rows(stats)
         table.clear()
         for row in rows:
             table.add_row(row.name, row.kind, row.size, row.where, row.expiry, row.served, row.in_flight,
-                          key=row.name)
+                          key=f"{row.name}/{row.kind}")
         self._model_names = [row.name for row in rows]
         if selected in self._model_names:  # a refresh keeps the selection
             table.move_cursor(row=self._model_names.index(selected), animate=False)
+
+    def on_key(self, event: events.Key) -> None:
+        if event.key in ("up", "down", "pageup", "pagedown", "home", "end") and self.focused is self.query_one("#models"):
+            self._picked = True
 
     def _show_kv(self) -> None:
         panel = self.query_one("#kv", Static)

@@ -251,6 +251,30 @@ def model_row(model: Mapping[str, Any], now: float) -> ModelRow:
     )
 
 
+def loading_rows(stats: Stats | None) -> list[ModelRow]:
+    """The models being loaded: their phase and progress, and the requests waiting for them."""
+    entries = stats.get("loading") if stats else None
+    rows = []
+    for entry in entries or []:
+        if not (isinstance(entry, Mapping) and isinstance(entry.get("name"), str)):
+            continue
+        fraction = number(entry.get("fraction"))
+        done = f" {fraction:.0%}" if fraction is not None else ""
+        rows.append(ModelRow(name=entry["name"], kind=f"loading: {entry.get('phase') or MISSING}{done}",
+                             size=MISSING, where=MISSING, expiry=f"for {duration_text(count(entry.get('elapsed_s')))}",
+                             served=MISSING, in_flight=str(count(entry.get("requests_waiting")))))
+    return rows
+
+
+def busiest_model(stats: Stats | None) -> str | None:
+    """The loaded model with the most requests in flight (the first on a tie; None with
+    none loaded): the one the KV panel shows until the user picks another."""
+    models = models_of(stats)
+    if not models:
+        return None
+    return max(models, key=lambda m: count(m.get("requests_in_flight")))["name"]
+
+
 # -- KV cache, scheduler, latency -------------------------------------------------------
 
 
