@@ -82,3 +82,18 @@ def test_health_answers_while_a_long_prompt_is_tokenized(daemon: str) -> None:
     assert response.status_code == 200 and response.json()["count"] > 2048
     print(f"max /health latency {max(latencies) * 1000:.0f} ms over {len(latencies)} polls")
     assert max(latencies) < 0.1, latencies
+
+
+def test_a_long_text_is_encoded_as_a_short_one_would_be() -> None:
+    """Texts past the GIL-free threshold go through encode_batch: the ids are encode()'s."""
+    from localserve.formats import read_tokenizer
+    from localserve.text import tokenizer as tokenizer_module
+
+    from .conftest import SHARED, STORIES_HF
+
+    text = ("Once upon a time, \u00e9t\u00e9 \U0001f600 " * 2000)[: tokenizer_module._GIL_FREE_CHARS * 3]
+    for source in (STORIES_HF, SHARED / "tokenizers" / "ggml-vocab-gpt-2.gguf"):
+        tokenizer = read_tokenizer(source)
+        assert tokenizer is not None
+        for special in (True, False):
+            assert tokenizer.encode(text, special) == tokenizer.backend.encode(text, add_special_tokens=special).ids

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import LocalserveError
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_GIL_FREE_CHARS = 16_384  # texts longer than this are encoded with the GIL released
 
 
 @cache
@@ -75,7 +76,13 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _GIL_FREE_CHARS and self.backend.padding is None:
+            # encode() holds the GIL throughout (tens of ms for a long prompt, during which
+            # the daemon's event loop waits); encode_batch() lets it go. For one text
+            # without padding the two give the same ids.
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         # tokenizer_config's add_bos_token is what HF honours even when the
         # tokenizer.json post-processor does not add BOS itself.
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
