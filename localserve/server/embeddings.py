@@ -40,10 +40,10 @@ async def embed(request: Request, model_name: str, inputs: list[str | list[int]]
                 keep_alive: str | float | None = None, truncate: bool = False) -> Embeddings:
     """Embed every input with model ``model_name``. ``truncate``: inputs longer than the
     context keep their first tokens (Ollama's default); otherwise they are refused."""
-    started = time.monotonic()
+    started, arrived = time.monotonic(), time.time()
     state = state_of(request)
     model = await acquire(request, model_name)
-    loaded = time.monotonic()
+    load_seconds = model.load_wait(arrived)
     try:
         if not model.embeds:
             raise LocalserveError(f"{model.name!r} makes text, not embeddings: serve an embedding model "
@@ -54,7 +54,7 @@ async def embed(request: Request, model_name: str, inputs: list[str | list[int]]
     finally:
         state.manager.release(model, parse_keep_alive(keep_alive))
     return Embeddings([o.embedding for o in outputs], sum(len(p) for p in prompts),  # type: ignore[misc]
-                      loaded - started, time.monotonic() - started)
+                      load_seconds, time.monotonic() - started)
 
 
 def _tokenize(model: LoadedModel, inputs: list[str | list[int]], truncate: bool) -> list[list[int]]:

@@ -162,6 +162,11 @@ class LoadedModel:
             self._description = {"format": checkpoint_format(checkpoint), "quantization": quantization(checkpoint)}
         return self._description
 
+    def load_wait(self, since: float) -> float:
+        """Seconds a request that arrived at ``since`` (wall clock) waited for this model
+        to load: until now if it was loaded meanwhile, else 0 (Ollama's load_duration)."""
+        return time.time() - since if self.loaded_at >= since else 0.0
+
     def expires_wall(self) -> float | None:
         """The expiry on the wall clock (None: in use or kept forever)."""
         if self.expires_at is None:

@@ -141,8 +141,7 @@ class _LoadTimer:
 
     def around(self, prompts: Callable[[LoadedModel], list[list[int]]]) -> Callable[[LoadedModel], list[list[int]]]:
         def timed(model: LoadedModel) -> list[list[int]]:
-            if model.loaded_at >= self.started:  # loaded while this request waited
-                self.seconds = time.time() - self.started
+            self.seconds = model.load_wait(self.started)
             return prompts(model)
 
         return timed
