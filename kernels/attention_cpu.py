@@ -29,7 +29,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     tables, query_start = meta.block_tables.contiguous(), meta.query_start_loc.contiguous()
     seq_lens = meta.seq_lens.contiguous()
-    _check(meta, tokens, num_blocks, block_size, tables.shape[1])
+    check_tables(meta, tokens, num_blocks, block_size, tables.shape[1])
     out = torch.empty_like(query)
     sinks = sinks.contiguous() if sinks is not None else None
     lib.ls_paged_attention(query.data_ptr(), tokens, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
@@ -45,7 +45,7 @@ class _Checked:
     meta: AttentionMetadata | None = None
 
 
-def _check(meta: AttentionMetadata, tokens: int, num_blocks: int, block_size: int, max_blocks: int) -> None:
+def check_tables(meta: AttentionMetadata, tokens: int, num_blocks: int, block_size: int, max_blocks: int) -> None:
     """The kernel trusts its tables: lengths and the block ids it will read are checked here."""
     if meta is _Checked.meta:
         return

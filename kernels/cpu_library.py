@@ -49,6 +49,42 @@ class QuantWeightDesc(ctypes.Structure):
                 ("scales", Factors), ("offsets", Factors), ("super_scales", Factors), ("super_offsets", Factors)]
 
 
+class LinearDesc(ctypes.Structure):
+    """``ls_linear``: up to four weights side by side."""
+
+    _fields_ = [("parts", ctypes.c_int32), ("tiled", ctypes.POINTER(TiledWeightDesc) * 4), ("dense", ctypes.c_void_p * 4),
+                ("n", ctypes.c_int64 * 4), ("bias", ctypes.c_void_p)]
+
+
+class DecoderLayerDesc(ctypes.Structure):
+    """``ls_decoder_layer``."""
+
+    _fields_ = [("input_norm", ctypes.c_void_p), ("qkv", LinearDesc), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("o", LinearDesc), ("attn_out_norm", ctypes.c_void_p),
+                ("pre_mlp_norm", ctypes.c_void_p), ("gate_up", LinearDesc), ("down", LinearDesc),
+                ("mlp_out_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("scale", ctypes.c_float), ("window", ctypes.c_int64), ("softcap", ctypes.c_float),
+                ("sinks", ctypes.c_void_p), ("rope", ctypes.c_int32), ("activation", ctypes.c_int32),
+                ("residual_scale", ctypes.c_float)]
+
+
+class DecoderShapeDesc(ctypes.Structure):
+    """``ls_decoder_shape``."""
+
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("rotary_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("eps", ctypes.c_float)]
+
+
+class DecoderBatchDesc(ctypes.Structure):
+    """``ls_decoder_batch``."""
+
+    _fields_ = [("tokens", ctypes.c_int64), ("cos", ctypes.c_void_p * 2), ("sin", ctypes.c_void_p * 2),
+                ("slot_mapping", ctypes.c_void_p), ("block_size", ctypes.c_int64), ("block_tables", ctypes.c_void_p),
+                ("max_blocks", ctypes.c_int64), ("query_start", ctypes.c_void_p), ("seq_lens", ctypes.c_void_p),
+                ("batch", ctypes.c_int64)]
+
+
 _SIGNATURES = {
     "ls_variant": (ctypes.c_char_p, []),
     "ls_lanes": (ctypes.c_int32, []),
@@ -61,6 +97,9 @@ _SIGNATURES = {
     "ls_float_matmul": (None, [ctypes.POINTER(QuantWeightDesc), ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
     "ls_dense_matmul": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_void_p]),
+    "ls_decoder_layers": (None, [ctypes.POINTER(DecoderShapeDesc), ctypes.POINTER(DecoderLayerDesc), ctypes.c_int64,
+                                 ctypes.POINTER(DecoderBatchDesc), ctypes.c_void_p]),
+    "ls_decoder_profile": (None, [ctypes.c_int32, ctypes.c_void_p]),
     "ls_paged_attention": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,

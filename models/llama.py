@@ -17,10 +17,13 @@ from torch import nn
 
 from localserve.formats.spec import ModelSpec
 from localserve.kernels import AttentionMetadata, KVCache, paged_attention, write_kv
+from localserve.kernels.decoder_cpu import DecoderStack
+from localserve.kernels.dispatch import use_cpu_kernels
 
 from localserve.formats.architectures import ARCHITECTURES
 from localserve.formats.layout import PROJECTIONS
 
+from .cpu_stack import stack_for
 from .layers import MLP, Embedding, Linear, RMSNorm
 from .moe import Experts, SparseMoE
 from .rope import RotaryEmbedding
@@ -138,6 +141,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = self.embed if spec.tie_word_embeddings else Linear(spec.hidden_size, [spec.vocab_size])
         self.dtype = torch.float32
         self.embedding_scale = spec.embedding_scale
+        # The layers as one C++ call on the CPU (cpu_stack.py), made at the first forward
+        # over a set of caches; None where the modules must run.
+        self._stack: tuple[tuple[int, ...], DecoderStack | None] | None = None
 
     def cast(self, dtype: torch.dtype) -> None:
         """Parameters to ``dtype`` (the rotary cos/sin tables stay fp32, as the references
@@ -163,9 +169,19 @@ class LlamaForCausalLM(nn.Module):
         ropes = [self.rotary.lookup(positions, x.dtype)]
         if self.local_rotary is not None:
             ropes.append(self.local_rotary.lookup(positions, x.dtype))
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, ropes[layer.attn.rope_index], cache, meta)
+        stack = self._cpu_stack(kv_caches) if use_cpu_kernels(x) else None
+        if stack is not None:
+            x = stack.run(x, ropes, meta)
+        else:
+            for layer, cache in zip(self.layers, kv_caches):
+                x = layer(x, ropes[layer.attn.rope_index], cache, meta)
         return self.norm(x)
+
+    def _cpu_stack(self, kv_caches: list[KVCache]) -> DecoderStack | None:
+        key = tuple(cache.key.data_ptr() for cache in kv_caches)
+        if self._stack is None or self._stack[0] != key:
+            self._stack = (key, stack_for(self, kv_caches))
+        return self._stack[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -79,9 +79,9 @@ def test_each_engine_runs_the_kernels_it_chose(monkeypatch: pytest.MonkeyPatch) 
     if not STORIES_GGUF.is_file() or not cpu_library.available():
         pytest.skip("stories260K.gguf or the CPU kernels are not here")
     from localserve.engine.config import EngineConfig
-    from localserve.kernels import attention_cpu, quant_linear_cpu
+    from localserve.kernels import attention_cpu, decoder_cpu, quant_linear_cpu
 
-    calls = {"attention": 0, "matmul": 0}
+    calls = {"attention": 0, "matmul": 0, "stack": 0}
     attention, matmul = attention_cpu.paged_attention, quant_linear_cpu.dense_linear
 
     def counting(name, function):  # type: ignore[no-untyped-def]
@@ -92,6 +92,7 @@ def test_each_engine_runs_the_kernels_it_chose(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(attention_cpu, "paged_attention", counting("attention", attention))
     monkeypatch.setattr(quant_linear_cpu, "dense_linear", counting("matmul", matmul))
+    monkeypatch.setattr(decoder_cpu.DecoderStack, "run", counting("stack", decoder_cpu.DecoderStack.run))
     monkeypatch.setenv("LOCALSERVE_DISABLE_CPU_KERNELS", "1")
     from_environment = EngineConfig()
     monkeypatch.delenv("LOCALSERVE_DISABLE_CPU_KERNELS")
@@ -100,7 +101,8 @@ def test_each_engine_runs_the_kernels_it_chose(monkeypatch: pytest.MonkeyPatch) 
     on_references = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64, disable_cpu_kernels=True)
     on_kernels = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64)
     [by_references] = on_references.generate("Once upon a time", params)
-    assert calls == {"attention": 0, "matmul": 0}
+    assert calls == {"attention": 0, "matmul": 0, "stack": 0}
     [by_kernels] = on_kernels.generate("Once upon a time", params)
-    assert calls["attention"] > 0 and calls["matmul"] > 0
+    # The layers run as one C++ stack (attention inside it); the LM head is a dense matmul.
+    assert calls["stack"] > 0 and calls["matmul"] > 0
     assert by_kernels.text == by_references.text

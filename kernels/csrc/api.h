@@ -102,6 +102,82 @@ void ls_float_matmul(const ls_quant_weight* w, const float* x, int64_t rows, flo
 // row count (unlike a BLAS GEMM, whose blocking and kernel follow the shapes).
 void ls_dense_matmul(const float* w, int64_t n, int64_t k, const float* x, int64_t rows, float* out);
 
+// --- a stack of dense decoder layers in one call (decoder_layers.cpp) ----------------------
+//
+// One projection: up to four weights side by side (a fused Q/K/V whose parts differ in
+// type, as llama.cpp's mixes make them), each a tiled weight or a dense fp32 one [n_i, k],
+// their outputs concatenated; bias [sum n_i] or null.
+struct ls_linear {
+  int32_t parts;
+  const ls_tiled_weight* tiled[4];
+  const float* dense[4];
+  int64_t n[4];
+  const float* bias;
+};
+
+// One pre-norm decoder layer of the Llama family (RMS norms with fp32 gains, any offset
+// folded in; null norms are absent):
+//   h = norm(x); q, k, v = qkv(h); per-head norms of q and k; rotary on q and k; k and v
+//   written to the cache; a = attention(q); x += residual_scale * attn_out_norm(o(a));
+//   h = pre_mlp_norm(x); gate, up = gate_up(h); x += residual_scale * mlp_out_norm(down(act(gate) * up))
+struct ls_decoder_layer {
+  const float* input_norm;
+  ls_linear qkv;
+  const float* q_norm;  // [head_dim], or null
+  const float* k_norm;
+  ls_linear o;
+  const float* attn_out_norm;
+  const float* pre_mlp_norm;
+  ls_linear gate_up;
+  ls_linear down;
+  const float* mlp_out_norm;
+  float* k_cache;  // [blocks, block_size, kv_heads, head_dim] fp32
+  float* v_cache;
+  float scale;
+  int64_t window;
+  float softcap;
+  const float* sinks;
+  int32_t rope;        // which of the batch's rotary tables
+  int32_t activation;  // 0: SiLU, 1: GELU with the tanh approximation
+  float residual_scale;
+};
+
+struct ls_decoder_shape {
+  int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
+  float eps;
+};
+
+// The batch as ls_paged_attention takes it, with each row's cache slot (negative: not
+// written) and cos/sin [tokens, rotary_dim] of up to two rotary tables (the first
+// rotary_dim / 2 values repeated for the second half, as the torch model keeps them).
+struct ls_decoder_batch {
+  int64_t tokens;
+  const float* cos[2];
+  const float* sin[2];
+  const int64_t* slot_mapping;
+  int64_t block_size;
+  const int32_t* block_tables;
+  int64_t max_blocks;
+  const int32_t* query_start;
+  const int32_t* seq_lens;
+  int64_t batch;
+};
+
+// x [tokens, hidden] through `count` layers in place, in one parallel region. Every step
+// works row by row (the matmuls as ls_int8_matmul / ls_dense_matmul compute them): a row's
+// result depends on nothing but that row and its cache.
+void ls_decoder_layers(const ls_decoder_shape* shape, const ls_decoder_layer* layers, int64_t count,
+                       const ls_decoder_batch* batch, float* x);
+
+// Profiling (benchmarks/decode_profile.py): while on, the seconds each kind of step takes
+// are summed over calls. Copies the sums into seconds [LS_DECODER_STEPS] (unless null),
+// clears them, then turns profiling on or off.
+enum ls_decoder_step : int32_t {
+  LS_STEP_QKV = 0, LS_STEP_ROTARY_KV, LS_STEP_ATTENTION, LS_STEP_O, LS_STEP_GATE_UP, LS_STEP_DOWN, LS_STEP_GLUE,
+  LS_DECODER_STEPS
+};
+void ls_decoder_profile(int32_t enable, double* seconds);
+
 // --- paged attention --------------------------------------------------------------------
 //
 // query [tokens, heads, dim] holds each sequence's new rows; row i of sequence b (rows

@@ -13,6 +13,7 @@
 #include "api.h"
 #include "runtime.h"
 #include "simd.h"
+#include "team.h"
 
 namespace ls {
 namespace {
@@ -24,7 +25,7 @@ constexpr int64_t kOutputBlock = 4;
 constexpr int64_t kRowChunk = 64;
 
 template <int kRows, int kOutputs>
-void dense_block(const float* w, int64_t k, const float* x, int64_t row0, int64_t n0, int64_t n, float* out) {
+void dense_block(const float* w, int64_t k, const float* x, int64_t row0, int64_t n0, const Output& out) {
   F acc[kRows][kOutputs];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kOutputs; ++j) acc[r][j] = Simd::zerof();
@@ -41,34 +42,40 @@ void dense_block(const float* w, int64_t k, const float* x, int64_t row0, int64_
     for (int j = 0; j < kOutputs; ++j) {
       float sum = Simd::reduce(acc[r][j]);
       for (int64_t i = vector_end; i < k; ++i) sum = std::fma(x[(row0 + r) * k + i], w[(n0 + j) * k + i], sum);
-      out[(row0 + r) * n + n0 + j] = sum;
+      out.data[(row0 + r) * out.stride + n0 + j] = sum;
     }
 }
 
 template <int kOutputs>
 void output_block(const float* w, int64_t k, const float* x, int64_t row_begin, int64_t row_end, int64_t n0,
-                  int64_t n, float* out) {
+                  const Output& out) {
   int64_t r = row_begin;
-  for (; r + 4 <= row_end; r += 4) dense_block<4, kOutputs>(w, k, x, r, n0, n, out);
-  for (; r + 2 <= row_end; r += 2) dense_block<2, kOutputs>(w, k, x, r, n0, n, out);
-  for (; r < row_end; ++r) dense_block<1, kOutputs>(w, k, x, r, n0, n, out);
+  for (; r + 4 <= row_end; r += 4) dense_block<4, kOutputs>(w, k, x, r, n0, out);
+  for (; r + 2 <= row_end; r += 2) dense_block<2, kOutputs>(w, k, x, r, n0, out);
+  for (; r < row_end; ++r) dense_block<1, kOutputs>(w, k, x, r, n0, out);
 }
 
 }  // namespace
-}  // namespace ls
 
-extern "C" void ls_dense_matmul(const float* w, int64_t n, int64_t k, const float* x, int64_t rows, float* out) {
-  const int64_t blocks = (n + ls::kOutputBlock - 1) / ls::kOutputBlock;
-  for (int64_t chunk = 0; chunk < rows; chunk += ls::kRowChunk) {
-    const int64_t chunk_end = std::min(rows, chunk + ls::kRowChunk);
-#pragma omp parallel for num_threads(ls::threads()) schedule(static)
+void dense_matmul_team(const float* w, int64_t n, int64_t k, const float* x, int64_t rows, const Output& out) {
+  const int64_t blocks = (n + kOutputBlock - 1) / kOutputBlock;
+  for (int64_t chunk = 0; chunk < rows; chunk += kRowChunk) {
+    const int64_t chunk_end = std::min(rows, chunk + kRowChunk);
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t n0 = b * ls::kOutputBlock;
-      if (n0 + ls::kOutputBlock <= n) {
-        ls::output_block<ls::kOutputBlock>(w, k, x, chunk, chunk_end, n0, n, out);
+      const int64_t n0 = b * kOutputBlock;
+      if (n0 + kOutputBlock <= n) {
+        output_block<kOutputBlock>(w, k, x, chunk, chunk_end, n0, out);
       } else {
-        for (int64_t j = n0; j < n; ++j) ls::output_block<1>(w, k, x, chunk, chunk_end, j, n, out);
+        for (int64_t j = n0; j < n; ++j) output_block<1>(w, k, x, chunk, chunk_end, j, out);
       }
     }
   }
+}
+
+}  // namespace ls
+
+extern "C" void ls_dense_matmul(const float* w, int64_t n, int64_t k, const float* x, int64_t rows, float* out) {
+#pragma omp parallel num_threads(ls::threads())
+  ls::dense_matmul_team(w, n, k, x, rows, {out, n});
 }

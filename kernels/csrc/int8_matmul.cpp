@@ -27,6 +27,7 @@
 #include "api.h"
 #include "runtime.h"
 #include "simd.h"
+#include "team.h"
 
 namespace ls {
 namespace {
@@ -48,13 +49,9 @@ struct Int8Rows {
   }
 };
 
-struct Int8Buffer {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> q_sum;
-  std::vector<float> q_sum_f;
-  Int8Rows rows;
-};
+Int8Rows rows_of(const Int8Buffer& b) {
+  return {b.k, b.k / b.x_block, b.k / b.group, b.q.data(), b.d.data(), b.q_sum.data(), b.q_sum_f.data()};
+}
 
 void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int8_t* q, float* d, int32_t* q_sum,
                   float* q_sum_f) {
@@ -77,18 +74,21 @@ void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int
   }
 }
 
-// Rows of x rounded for weights of w's k, x_block and group.
-void quantize_rows(const float* x, int64_t rows, const ls_tiled_weight& w, Int8Buffer& out) {
-  const int64_t k = w.k, x_blocks = k / w.x_block, groups = k / w.group;
-  out.q.resize(rows * k);
-  out.d.resize(rows * x_blocks);
-  out.q_sum.resize(rows * groups);
-  out.q_sum_f.resize(rows * groups);
-  out.rows = {k, x_blocks, groups, out.q.data(), out.d.data(), out.q_sum.data(), out.q_sum_f.data()};
-#pragma omp parallel for num_threads(ls::threads()) schedule(static) if (rows > 1)
-  for (int64_t m = 0; m < rows; ++m)
-    quantize_row(x + m * k, k, w.x_block, w.group, out.q.data() + m * k, out.d.data() + m * x_blocks,
-                 out.q_sum.data() + m * groups, out.q_sum_f.data() + m * groups);
+// A buffer for rows of x rounded for weights of w's k, x_block and group.
+void size_buffer(Int8Buffer& b, const ls_tiled_weight& w, int64_t rows) {
+  b.k = w.k;
+  b.x_block = w.x_block;
+  b.group = w.group;
+  b.q.resize(rows * w.k);
+  b.d.resize(rows * (w.k / w.x_block));
+  b.q_sum.resize(rows * (w.k / w.group));
+  b.q_sum_f.resize(rows * (w.k / w.group));
+}
+
+void quantize_buffer_row(const float* x, int64_t m, Int8Buffer& b) {
+  const int64_t x_blocks = b.k / b.x_block, groups = b.k / b.group;
+  quantize_row(x + m * b.k, b.k, b.x_block, b.group, b.q.data() + m * b.k, b.d.data() + m * x_blocks,
+               b.q_sum.data() + m * groups, b.q_sum_f.data() + m * groups);
 }
 
 int32_t word(const int8_t* p) {
@@ -106,6 +106,7 @@ struct TiledCodes {
   static constexpr bool kNibbles = kHigh >= 0;
   static constexpr int kInputs = kNibbles ? 8 : 4, kParts = kNibbles ? 2 : 1;
   static constexpr bool kWide = kHigh < 0 || kLevels;  // codes may reach 255
+  static constexpr int kMaxCode = kWide ? 255 : (16 << kHigh) - 1;
   static constexpr bool kMinsForm = kMins;
   const ls_tiled_weight& w;
   int64_t tile0, groups, supers;
@@ -177,10 +178,11 @@ struct Panel {
 };
 
 // A panel as a source of codes: small, passed by value like TiledCodes.
-template <int kTiles, bool kMins, bool kWideCodes>
+template <int kTiles, bool kMins, int kMaxCodes>
 struct PanelCodes {
   static constexpr int kInputs = 4, kParts = 1;
-  static constexpr bool kWide = kWideCodes;  // widened nibble codes stay below 128, levels do not
+  static constexpr int kMaxCode = kMaxCodes;
+  static constexpr bool kWide = kMaxCode > 127;  // widened nibble codes stay below 128, levels do not
   static constexpr bool kMinsForm = kMins;
   Panel<kTiles>* panel;
   int64_t chunk0 = 0, group0 = 0;
@@ -215,6 +217,13 @@ template <int kRows, int kTiles, class Codes>
 [[gnu::noinline]] void add_x_blocks(const Codes codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0,
                                     int64_t xb0, int64_t xb1, float* total) {
   constexpr int kParts = Codes::kParts;
+  // Where the vector unit has no 8-bit dot product into 32 bits (AVX2), narrow codes' byte
+  // pair products (|2 * kMaxCode * 127| per 16-bit lane) are summed in 16 bits for as many
+  // steps as cannot overflow, then widened once: exact, and a third fewer instructions.
+  constexpr bool kPairSums = Simd::kPairSums && !Codes::kWide;
+  constexpr int kProductsPerWiden = 32767 / (2 * Codes::kMaxCode * 127);
+  constexpr int kChunksPerWiden = kProductsPerWiden / kParts > 0 ? kProductsPerWiden / kParts : 1;
+  static_assert(!kPairSums || kProductsPerWiden >= kParts, "one chunk's products must fit 16 bits");
   const int64_t groups = xq.groups, groups_per_x_block = w.x_block / w.group;
   const int64_t chunks_per_group = w.group / Codes::kInputs;
   const int8_t* q[kRows];
@@ -230,10 +239,10 @@ template <int kRows, int kTiles, class Codes>
         scale[t] = codes.scale(t, g);
         if constexpr (Codes::kMinsForm) min[t] = codes.min(t, g);
       }
-      I dots[kRows][kTiles];
+      I dots[kRows][kTiles], pairs[kRows][kTiles];
       for (int r = 0; r < kRows; ++r) {
         const int32_t start = w.zero > 0 ? -w.zero * xq.q_sum[(row0 + r) * groups + g] : 0;
-        for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(start);
+        for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(start), pairs[r][t] = Simd::set1(0);
       }
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
         const int64_t at = c * Codes::kInputs;
@@ -242,8 +251,21 @@ template <int kRows, int kTiles, class Codes>
         for (int r = 0; r < kRows; ++r)
           for (int p = 0; p < kParts; ++p) {
             const int32_t x4 = word(q[r] + at + 4 * p);
-            for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::dot<Codes::kWide>(dots[r][t], parts[t][p], x4);
+            for (int t = 0; t < kTiles; ++t) {
+              if constexpr (kPairSums)
+                pairs[r][t] = Simd::dot16(pairs[r][t], parts[t][p], x4);
+              else
+                dots[r][t] = Simd::dot<Codes::kWide>(dots[r][t], parts[t][p], x4);
+            }
           }
+        if constexpr (kPairSums) {  // widened before the 16-bit sums could overflow, and at the group's end
+          if ((c + 1) % kChunksPerWiden == 0 || c + 1 == (g + 1) * chunks_per_group)
+            for (int r = 0; r < kRows; ++r)
+              for (int t = 0; t < kTiles; ++t) {
+                dots[r][t] = Simd::widen16(dots[r][t], pairs[r][t]);
+                pairs[r][t] = Simd::set1(0);
+              }
+        }
       }
       for (int r = 0; r < kRows; ++r)
         for (int t = 0; t < kTiles; ++t) {
@@ -276,19 +298,20 @@ void row_blocks(int64_t rows, Each each) {
 
 // Rows' totals [rows][kTiles * kLanes] into out, dropping the padding lanes of a last tile.
 template <int kTiles>
-void write_rows(const ls_tiled_weight& w, const float* total, int64_t row0, int64_t rows, int64_t tile0, float* out) {
+void write_rows(const ls_tiled_weight& w, const float* total, int64_t row0, int64_t rows, int64_t tile0,
+                const Output& out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int t = 0; t < kTiles; ++t)
       for (int l = 0; l < kLanes; ++l) {
         const int64_t n = (tile0 + t) * kLanes + l;
-        if (n < w.n) out[(row0 + r) * w.n + n] = total[(r * kTiles + t) * kLanes + l];
+        if (n < w.n) out.data[(row0 + r) * out.stride + n] = total[(r * kTiles + t) * kLanes + l];
       }
 }
 
 // Few rows: each block of rows meets the tiles' codes as they are stored, all of k at once.
 template <int kTiles, class Codes>
 void tile_rows_direct(const Codes& codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0,
-                      float* out) {
+                      const Output& out) {
   float total[4 * kTiles * kLanes];
   row_blocks(rows, [&](auto block_rows, int64_t row0) {
     constexpr int kRows = decltype(block_rows)::value;
@@ -301,10 +324,10 @@ void tile_rows_direct(const Codes& codes, const ls_tiled_weight& w, const Int8Ro
 // Many rows: panel by panel, every row meets the panel's widened codes.
 template <int kTiles, bool kMins, class Codes>
 void tile_rows_by_panel(const Codes& codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows,
-                        int64_t tile0, float* out) {
+                        int64_t tile0, const Output& out) {
   std::vector<float> total(rows * kTiles * kLanes, 0.0f);
   Panel<kTiles> buffer;
-  PanelCodes<kTiles, kMins, Codes::kWide> panel{&buffer};
+  PanelCodes<kTiles, kMins, Codes::kMaxCode> panel{&buffer};
   for (int64_t x0 = 0; x0 < w.k; x0 += kPanel) {
     const int64_t length = std::min(kPanel, w.k - x0);
     panel.fill(codes, x0, length, w.group);
@@ -324,7 +347,7 @@ void tile_rows_by_panel(const Codes& codes, const ls_tiled_weight& w, const Int8
 constexpr int64_t kPanelRows = 16;
 
 template <int kTiles, int kHigh, bool kTwoLevel, bool kMins, bool kLevels>
-void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0, float* out) {
+void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0, const Output& out) {
   const TiledCodes<kTiles, kHigh, kTwoLevel, kMins, kLevels> codes(w, tile0);
   if (kTwoLevel && rows >= kPanelRows)
     tile_rows_by_panel<kTiles, kMins>(codes, w, xq, rows, tile0, out);
@@ -333,7 +356,7 @@ void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64
 }
 
 // The row kernels for one weight's code and scale form: over a pair of tiles, or one.
-using TileRows = void (*)(const ls_tiled_weight&, const Int8Rows&, int64_t, int64_t, float*);
+using TileRows = void (*)(const ls_tiled_weight&, const Int8Rows&, int64_t, int64_t, const Output&);
 struct TileKernels {
   TileRows pair, single;
 };
@@ -368,34 +391,66 @@ int64_t tile_tasks(const ls_tiled_weight& w) {
 }
 
 void run_tile_task(const TileKernels& kernels, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows,
-                   int64_t task, float* out) {
+                   int64_t task, const Output& out) {
   const int64_t tiles = (w.n + kLanes - 1) / kLanes;
   (2 * task + 1 < tiles ? kernels.pair : kernels.single)(w, xq, rows, 2 * task, out);
 }
 
-// Groups of rows of x, each through its own weight (all of one n, k and form): group i's
-// counts[i] rows (after the groups before it) through weights[ids[i]] into the same rows
-// of out [rows, n]. Every group's tile tasks split over the threads at once; a task's
-// output depends on its rows and weight alone, however the tasks fall.
+bool same_form(const Int8Buffer& b, const ls_tiled_weight& w) {
+  return b.k == w.k && b.x_block == w.x_block && b.group == w.group;
+}
+
+// Each job's rows through its weight, as separate calls would, in one parallel region (see api.h).
 void grouped_matmul(const ls_tiled_weight* const* weights, const int64_t* ids, const int64_t* counts, int64_t groups,
                     const float* x, float* out) {
-  const ls_tiled_weight& first = *weights[ids[0]];
-  const TileKernels kernels = kernels_for(first);
-  const int64_t tasks_per_group = tile_tasks(first);
-  std::vector<int64_t> row0(groups + 1, 0);
-  for (int64_t i = 0; i < groups; ++i) row0[i + 1] = row0[i] + counts[i];
-  Int8Buffer xq;
-  quantize_rows(x, row0[groups], first, xq);
-#pragma omp parallel for num_threads(ls::threads()) schedule(static) if (groups * tasks_per_group > 1)
-  for (int64_t task = 0; task < groups * tasks_per_group; ++task) {
-    const int64_t i = task / tasks_per_group;
-    if (counts[i] > 0)
-      run_tile_task(kernels, *weights[ids[i]], xq.rows.from(row0[i]), counts[i], task % tasks_per_group,
-                    out + row0[i] * first.n);
+  std::vector<MatmulJob> jobs(groups);
+  int64_t row0 = 0;
+  for (int64_t i = 0; i < groups; ++i) {
+    jobs[i] = {weights[ids[i]], row0, counts[i], {out + row0 * weights[ids[i]]->n, weights[ids[i]]->n}};
+    row0 += counts[i];
   }
+  Int8Scratch scratch;
+#pragma omp parallel num_threads(ls::threads())
+  int8_matmul_team(jobs.data(), groups, x, row0, scratch);
 }
 
 }  // namespace
+
+void int8_matmul_team(const MatmulJob* jobs, int64_t count, const float* x, int64_t x_rows, Int8Scratch& s) {
+#pragma omp single
+  {
+    // The distinct rounding forms (a projection's parts may differ: Q4_K beside Q6_K),
+    // and where each job's tile tasks begin.
+    int64_t used = 0;
+    s.job_form.resize(count);
+    s.task_start.resize(count + 1);
+    s.task_start[0] = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const ls_tiled_weight& w = *jobs[i].w;
+      int64_t f = 0;
+      while (f < used && !same_form(s.forms[f], w)) ++f;
+      if (f == used) {
+        if (static_cast<int64_t>(s.forms.size()) <= used) s.forms.emplace_back();
+        size_buffer(s.forms[used++], w, x_rows);
+      }
+      s.job_form[i] = static_cast<int32_t>(f);
+      s.task_start[i + 1] = s.task_start[i] + (jobs[i].rows > 0 ? tile_tasks(w) : 0);
+    }
+    s.forms.resize(used);
+  }
+  const int64_t forms = static_cast<int64_t>(s.forms.size());
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < forms * x_rows; ++i) quantize_buffer_row(x, i % x_rows, s.forms[i / x_rows]);
+  const int64_t tasks = s.task_start[count];
+#pragma omp for schedule(static)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t i = std::upper_bound(s.task_start.begin(), s.task_start.end(), task) - s.task_start.begin() - 1;
+    const MatmulJob& job = jobs[i];
+    run_tile_task(kernels_for(*job.w), *job.w, rows_of(s.forms[s.job_form[i]]).from(job.row0), job.rows,
+                  task - s.task_start[i], job.out);
+  }
+}
+
 }  // namespace ls
 
 extern "C" {

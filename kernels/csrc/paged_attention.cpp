@@ -13,25 +13,34 @@
 
 #include "api.h"
 #include "runtime.h"
+#include "team.h"
 
-extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim,
-                                   const float* k_cache, const float* v_cache, int64_t block_size, int64_t kv_heads,
-                                   const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
-                                   const int32_t* seq_lens, int64_t batch, float scale, int64_t window,
-                                   float softcap, const float* sinks, float* out) {
+namespace ls {
+
+void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
+                          const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
+                          int64_t max_blocks, const int32_t* query_start, const int32_t* seq_lens, int64_t batch,
+                          float scale, int64_t window, float softcap, const float* sinks, float* out,
+                          AttentionScratch& scratch) {
   const int64_t group = heads / kv_heads, token_stride = kv_heads * dim, block_stride = block_size * token_stride;
-  // Every row's (sequence, position), so the work splits evenly over rows, not sequences.
-  std::vector<int64_t> row_seq(tokens), row_pos(tokens);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = query_start[b], rows = query_start[b + 1] - start;
-    for (int64_t i = 0; i < rows; ++i) {
-      row_seq[start + i] = b;
-      row_pos[start + i] = seq_lens[b] - rows + i;
+  std::vector<int64_t>&row_seq = scratch.row_seq, &row_pos = scratch.row_pos;
+#pragma omp single
+  {
+    // Every row's (sequence, position), so the work splits evenly over rows, not sequences.
+    row_seq.resize(tokens);
+    row_pos.resize(tokens);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t start = query_start[b], rows = query_start[b + 1] - start;
+      for (int64_t i = 0; i < rows; ++i) {
+        row_seq[start + i] = b;
+        row_pos[start + i] = seq_lens[b] - rows + i;
+      }
     }
   }
-#pragma omp parallel num_threads(ls::threads())
   {
-    std::vector<float> scores, acc(group * dim);
+    // Each thread's own, kept between calls: a decode step allocates nothing here.
+    thread_local std::vector<float> scores, acc;
+    acc.resize(group * dim);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < tokens * kv_heads; ++item) {
       const int64_t row = item / kv_heads, kvh = item % kv_heads, b = row_seq[row];
@@ -77,4 +86,17 @@ extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t h
       std::copy(acc.begin(), acc.end(), out + (row * heads + kvh * group) * dim);
     }
   }
+}
+
+}  // namespace ls
+
+extern "C" void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim,
+                                   const float* k_cache, const float* v_cache, int64_t block_size, int64_t kv_heads,
+                                   const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
+                                   const int32_t* seq_lens, int64_t batch, float scale, int64_t window,
+                                   float softcap, const float* sinks, float* out) {
+  ls::AttentionScratch scratch;
+#pragma omp parallel num_threads(ls::threads())
+  ls::paged_attention_team(query, tokens, heads, dim, k_cache, v_cache, block_size, kv_heads, block_tables,
+                           max_blocks, query_start, seq_lens, batch, scale, window, softcap, sinks, out, scratch);
 }

@@ -67,6 +67,9 @@ struct Simd {
   }
   template <bool kWide>
   static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
+  static constexpr bool kPairSums = false;  // dpbusd sums into 32 bits itself
+  static I dot16(I acc, I, int32_t) { return acc; }
+  static I widen16(I acc, I) { return acc; }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -112,6 +115,11 @@ struct Simd {
       return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_slli_epi32(x_sum, 7)));
     }
   }
+  // Codes below 128: the byte pair products summed in 16-bit lanes (the caller bounds how
+  // many), and those sums added into 32-bit lanes.
+  static constexpr bool kPairSums = true;
+  static I dot16(I acc16, I w, int32_t x4) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4))); }
+  static I widen16(I acc, I acc16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1))); }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -170,6 +178,9 @@ struct Simd {
     }
     return acc;
   }
+  static constexpr bool kPairSums = false;
+  static I dot16(I acc, I, int32_t) { return acc; }
+  static I widen16(I acc, I) { return acc; }
   static I set1(int32_t v) { I r; for (auto& e : r.v) e = v; return r; }
   static F to_float(I a) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = static_cast<float>(a.v[l]); return r; }
   static F fmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = a.v[l] * b.v[l] + c.v[l]; return c; }

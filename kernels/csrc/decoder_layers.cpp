@@ -1,0 +1,248 @@
+// A stack of dense decoder layers in one call: the CPU's forward without Python between
+// its steps (see api.h for what a layer computes).
+//
+// A decode step of a 1B model at one token a step is some 200 small operations per
+// token: norms, rotary, cache writes, residual adds, the activation and a dozen matmuls
+// a layer. Through torch and ctypes each costs tens of microseconds of dispatch and a
+// fork and join of the thread team; here the whole stack is one parallel region whose
+// threads meet at a barrier between steps (team.h). Every step is row by row, so a row's
+// result depends only on that row and its cache: batch invariance holds as for the
+// separate kernels.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <vector>
+
+#include "api.h"
+#include "runtime.h"
+#include "simd.h"
+#include "team.h"
+
+namespace ls {
+namespace {
+
+// Seconds spent in each kind of step, summed over calls while profiling is on
+// (ls_decoder_profile): read by the team's first thread after each step's barrier.
+std::atomic<bool> g_profiling{false};
+double g_step_seconds[LS_DECODER_STEPS] = {};
+
+struct StepClock {
+  bool on = g_profiling.load(std::memory_order_relaxed);
+  std::chrono::steady_clock::time_point last = std::chrono::steady_clock::now();
+
+  void mark(int step) {
+    if (!on) return;
+#pragma omp master
+    {
+      const auto now = std::chrono::steady_clock::now();
+      g_step_seconds[step] += std::chrono::duration<double>(now - last).count();
+      last = now;
+    }
+  }
+};
+
+struct Buffers {
+  std::vector<float> h, qkv, q, attention, projected, gate_up, activated;
+  Int8Scratch int8;
+  AttentionScratch attention_scratch;
+};
+
+// sum(x^2) in one fixed order: lanes, then the lanes' fixed reduction, then the tail.
+float sum_of_squares(const float* x, int64_t n) {
+  using F = Simd::F;
+  F acc = Simd::zerof();
+  const int64_t end = n - n % Simd::kLanes;
+  for (int64_t i = 0; i < end; i += Simd::kLanes) {
+    const F v = Simd::loadf(x + i);
+    acc = Simd::fmadd(v, v, acc);
+  }
+  float sum = Simd::reduce(acc);
+  for (int64_t i = end; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+// out = x / rms(x) * gain (out may be x).
+void rms_norm(const float* x, const float* gain, int64_t n, float eps, float* out) {
+  const float inverse = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inverse * gain[i];
+}
+
+// Rotate one head in place (HF's rotate_half layout): dimensions past rotary_dim pass.
+void rotate(float* head, const float* cos, const float* sin, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = head[i], b = head[i + half];
+    head[i] = a * cos[i] - b * sin[i];
+    head[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+float activate(float gate, int32_t activation) {
+  if (activation == 1) {  // GELU, tanh approximation
+    const float inner = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+    return 0.5f * gate * (1.0f + std::tanh(inner));
+  }
+  return gate / (1.0f + std::exp(-gate));  // SiLU
+}
+
+int64_t outputs(const ls_linear& linear) {
+  int64_t n = 0;
+  for (int32_t i = 0; i < linear.parts; ++i) n += linear.n[i];
+  return n;
+}
+
+// out [rows, outputs(linear)] = x [rows, k] through each part into its columns.
+void linear_team(const ls_linear& linear, const float* x, int64_t rows, int64_t k, float* out, Buffers& buffers) {
+  const int64_t stride = outputs(linear);
+  MatmulJob jobs[4];
+  int64_t tiled = 0, column = 0;
+  for (int32_t i = 0; i < linear.parts; ++i) {
+    if (linear.tiled[i] != nullptr) jobs[tiled++] = {linear.tiled[i], 0, rows, {out + column, stride}};
+    column += linear.n[i];
+  }
+  if (tiled > 0) int8_matmul_team(jobs, tiled, x, rows, buffers.int8);
+  column = 0;
+  for (int32_t i = 0; i < linear.parts; ++i) {
+    if (linear.dense[i] != nullptr) dense_matmul_team(linear.dense[i], linear.n[i], k, x, rows, {out + column, stride});
+    column += linear.n[i];
+  }
+}
+
+void add_bias(float* row, const float* bias, int64_t n) {
+  if (bias != nullptr)
+    for (int64_t i = 0; i < n; ++i) row[i] += bias[i];
+}
+
+// x += residual_scale * out_norm(block_out + bias), then h = next_norm(x), row by row.
+void residual_team(const ls_decoder_shape& s, const ls_linear& projection, const float* out_norm,
+                   float residual_scale, const float* next_norm, int64_t rows, float* x, Buffers& b) {
+  const int64_t hidden = s.hidden;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = b.projected.data() + r * hidden;
+    float* row = x + r * hidden;
+    add_bias(out, projection.bias, hidden);
+    if (out_norm != nullptr) rms_norm(out, out_norm, hidden, s.eps, out);
+    if (residual_scale != 1.0f)
+      for (int64_t i = 0; i < hidden; ++i) out[i] *= residual_scale;
+    for (int64_t i = 0; i < hidden; ++i) row[i] += out[i];
+    if (next_norm != nullptr) rms_norm(row, next_norm, hidden, s.eps, b.h.data() + r * hidden);
+  }
+}
+
+// q/k/v bias, per-head norms and rotary; q heads to b.q, k and v to the cache.
+void heads_team(const ls_decoder_shape& s, const ls_decoder_layer& layer, const ls_decoder_batch& batch,
+                Buffers& b) {
+  const int64_t dim = s.head_dim, q_size = s.heads * dim, kv_size = s.kv_heads * dim;
+  const int64_t width = q_size + 2 * kv_size, per_row = s.heads + s.kv_heads;
+  const float* cos = batch.cos[layer.rope];
+  const float* sin = batch.sin[layer.rope];
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < batch.tokens * per_row; ++item) {
+    const int64_t r = item / per_row, head = item % per_row;
+    float* row = b.qkv.data() + r * width;
+    const float* bias = layer.qkv.bias;
+    const float* row_cos = cos + r * s.rotary_dim;
+    const float* row_sin = sin + r * s.rotary_dim;
+    if (head < s.heads) {
+      float* q = b.q.data() + r * q_size + head * dim;
+      std::copy(row + head * dim, row + (head + 1) * dim, q);
+      if (bias != nullptr) add_bias(q, bias + head * dim, dim);
+      if (layer.q_norm != nullptr) rms_norm(q, layer.q_norm, dim, s.eps, q);
+      rotate(q, row_cos, row_sin, s.rotary_dim);
+    } else {
+      const int64_t kvh = head - s.heads;
+      float* k = row + q_size + kvh * dim;
+      float* v = row + q_size + kv_size + kvh * dim;
+      if (bias != nullptr) {
+        add_bias(k, bias + q_size + kvh * dim, dim);
+        add_bias(v, bias + q_size + kv_size + kvh * dim, dim);
+      }
+      if (layer.k_norm != nullptr) rms_norm(k, layer.k_norm, dim, s.eps, k);
+      rotate(k, row_cos, row_sin, s.rotary_dim);
+      const int64_t slot = batch.slot_mapping[r];
+      if (slot >= 0) {
+        std::copy(k, k + dim, layer.k_cache + (slot * s.kv_heads + kvh) * dim);
+        std::copy(v, v + dim, layer.v_cache + (slot * s.kv_heads + kvh) * dim);
+      }
+    }
+  }
+}
+
+void mlp_activation_team(const ls_decoder_shape& s, const ls_decoder_layer& layer, int64_t rows, Buffers& b) {
+  const int64_t inter = s.intermediate;
+  const float* bias = layer.gate_up.bias;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = b.gate_up.data() + r * 2 * inter;
+    const float* up = gate + inter;
+    float* out = b.activated.data() + r * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = bias != nullptr ? gate[i] + bias[i] : gate[i];
+      const float u = bias != nullptr ? up[i] + bias[inter + i] : up[i];
+      out[i] = activate(g, layer.activation) * u;
+    }
+  }
+}
+
+void layers_team(const ls_decoder_shape& s, const ls_decoder_layer* layers, int64_t count,
+                 const ls_decoder_batch& batch, float* x, Buffers& b) {
+  const int64_t rows = batch.tokens, hidden = s.hidden;
+  StepClock clock;
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) rms_norm(x + r * hidden, layers[0].input_norm, hidden, s.eps, b.h.data() + r * hidden);
+  clock.mark(LS_STEP_GLUE);
+  for (int64_t i = 0; i < count; ++i) {
+    const ls_decoder_layer& layer = layers[i];
+    linear_team(layer.qkv, b.h.data(), rows, hidden, b.qkv.data(), b);
+    clock.mark(LS_STEP_QKV);
+    heads_team(s, layer, batch, b);
+    clock.mark(LS_STEP_ROTARY_KV);
+    paged_attention_team(b.q.data(), rows, s.heads, s.head_dim, layer.k_cache, layer.v_cache, batch.block_size,
+                         s.kv_heads, batch.block_tables, batch.max_blocks, batch.query_start, batch.seq_lens,
+                         batch.batch, layer.scale, layer.window, layer.softcap, layer.sinks, b.attention.data(),
+                         b.attention_scratch);
+    clock.mark(LS_STEP_ATTENTION);
+    linear_team(layer.o, b.attention.data(), rows, s.heads * s.head_dim, b.projected.data(), b);
+    clock.mark(LS_STEP_O);
+    residual_team(s, layer.o, layer.attn_out_norm, layer.residual_scale, layer.pre_mlp_norm, rows, x, b);
+    clock.mark(LS_STEP_GLUE);
+    linear_team(layer.gate_up, b.h.data(), rows, hidden, b.gate_up.data(), b);
+    clock.mark(LS_STEP_GATE_UP);
+    mlp_activation_team(s, layer, rows, b);
+    clock.mark(LS_STEP_GLUE);
+    linear_team(layer.down, b.activated.data(), rows, s.intermediate, b.projected.data(), b);
+    clock.mark(LS_STEP_DOWN);
+    const float* next_norm = i + 1 < count ? layers[i + 1].input_norm : nullptr;
+    residual_team(s, layer.down, layer.mlp_out_norm, layer.residual_scale, next_norm, rows, x, b);
+    clock.mark(LS_STEP_GLUE);
+  }
+}
+
+}  // namespace
+}  // namespace ls
+
+extern "C" void ls_decoder_profile(int32_t enable, double* seconds) {
+  if (seconds != nullptr)
+    for (int i = 0; i < LS_DECODER_STEPS; ++i) seconds[i] = ls::g_step_seconds[i];
+  for (double& total : ls::g_step_seconds) total = 0.0;
+  ls::g_profiling.store(enable != 0, std::memory_order_relaxed);
+}
+
+extern "C" void ls_decoder_layers(const ls_decoder_shape* shape, const ls_decoder_layer* layers, int64_t count,
+                                  const ls_decoder_batch* batch, float* x) {
+  if (count <= 0 || batch->tokens <= 0) return;
+  const ls_decoder_shape& s = *shape;
+  const int64_t rows = batch->tokens, q_size = s.heads * s.head_dim;
+  ls::Buffers b;
+  b.h.resize(rows * s.hidden);
+  b.qkv.resize(rows * (q_size + 2 * s.kv_heads * s.head_dim));
+  b.q.resize(rows * q_size);
+  b.attention.resize(rows * q_size);
+  b.projected.resize(rows * s.hidden);
+  b.gate_up.resize(rows * 2 * s.intermediate);
+  b.activated.resize(rows * s.intermediate);
+#pragma omp parallel num_threads(ls::threads())
+  ls::layers_team(s, layers, count, *batch, x, b);
+}

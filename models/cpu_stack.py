@@ -1,0 +1,88 @@
+"""The decoder layers of a CPU model as one C++ call (kernels/decoder_cpu.py).
+
+A model whose every layer the stack kernel can compute (dense MLP; tiled or fp32 dense
+weights; fp32 caches; per-head q/k norms or none; no q/k/v clipping) runs its layers
+through it: a step is then one call instead of some twenty torch ops and ctypes calls
+per layer. Others, and engines that keep the torch references, run the modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from localserve.kernels import KVCache, cpu_library
+from localserve.kernels.decoder_cpu import DecoderLayerWeights, DecoderShape, DecoderStack, Projection, takes_cache, \
+    takes_weight
+
+from .layers import ACTIVATIONS, MLP, Linear, RMSNorm
+
+if TYPE_CHECKING:
+    from .llama import DecoderLayer, LlamaForCausalLM
+
+_ACTIVATION_NAMES = {fn: name for name, fn in ACTIVATIONS.items()}
+
+
+def stack_for(model: LlamaForCausalLM, caches: list[KVCache]) -> DecoderStack | None:
+    """The model's layers over these caches as one stack, or None where a layer is one
+    the kernel does not compute (then the modules run)."""
+    if not (model.dtype == torch.float32 and cpu_library.available() and caches
+            and len(caches) == len(model.layers) and all(takes_cache(c) for c in caches)):
+        return None
+    if len({tuple(c.key.shape) for c in caches}) != 1:
+        return None
+    spec = model.spec
+    rotary_dim = model.rotary.rotary_dim
+    if rotary_dim % 2 or (model.local_rotary is not None and model.local_rotary.rotary_dim != rotary_dim):
+        return None
+    first_mlp = model.layers[0].mlp
+    if not isinstance(first_mlp, MLP):
+        return None
+    layers = []
+    for layer, cache in zip(model.layers, caches):
+        weights = _layer_weights(layer, cache)
+        if weights is None:
+            return None
+        layers.append(weights)
+    shape = DecoderShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, rotary_dim,
+                         first_mlp.intermediate_size, spec.rms_norm_eps)
+    return DecoderStack(shape, layers)
+
+
+def _projection(linear: Linear) -> Projection | None:
+    if not all(takes_weight(w) for w in linear.weights) or not 1 <= len(linear.weights) <= 4:
+        return None
+    return Projection(list(linear.weights), linear.bias)
+
+
+def _norm(norm: RMSNorm | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight.data
+
+
+def _plain_norm(norm: RMSNorm | None, eps: float) -> bool:
+    """An RMS norm the kernel computes: fp32 gain, offset folded in, the model's eps."""
+    return norm is None or (norm.offset == 0 and norm.weight.dtype == torch.float32 and norm.eps == eps)
+
+
+def _layer_weights(layer: DecoderLayer, cache: KVCache) -> DecoderLayerWeights | None:
+    attn, mlp = layer.attn, layer.mlp
+    eps = layer.input_norm.eps
+    norms = (layer.input_norm, layer.pre_mlp_norm, layer.attn_out_norm, layer.mlp_out_norm, attn.q_norm, attn.k_norm)
+    if not isinstance(mlp, MLP) or attn.clip_qkv is not None or attn.qk_norm_whole:
+        return None
+    if not all(_plain_norm(n, eps) for n in norms) or mlp.act not in _ACTIVATION_NAMES:
+        return None
+    if (attn.q_norm is not None and attn.q_norm.weight.shape != (attn.head_dim,)):
+        return None
+    projections = [_projection(p) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
+    if any(p is None for p in projections):
+        return None
+    qkv, o, gate_up, down = projections
+    assert qkv is not None and o is not None and gate_up is not None and down is not None
+    return DecoderLayerWeights(
+        input_norm=layer.input_norm.weight.data, qkv=qkv, q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), o=o,
+        attn_out_norm=_norm(layer.attn_out_norm), pre_mlp_norm=layer.pre_mlp_norm.weight.data, gate_up=gate_up,
+        down=down, mlp_out_norm=_norm(layer.mlp_out_norm), cache=cache, scale=attn.scale, window=attn.window,
+        softcap=attn.softcap, sinks=attn.sinks, rope=attn.rope_index, activation=_ACTIVATION_NAMES[mlp.act],
+        residual_scale=layer.residual_scale)
