@@ -213,7 +213,8 @@ struct PanelCodes {
 // added into total [kRows][kTiles * kLanes]. The one place the sums are formed, whatever
 // the codes' source, so a row's result is the same bits by either path. Kept out of line:
 // inlined, GCC 12 spends registers on copies of the accumulators (measured: 10-20% slower).
-template <int kRows, int kTiles, class Codes>
+// kGroup: the weight's group size when known at compile time (its chunk loop unrolled), or 0.
+template <int kRows, int kTiles, class Codes, int kGroup = 0>
 [[gnu::noinline]] void add_x_blocks(const Codes codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0,
                                     int64_t xb0, int64_t xb1, float* total) {
   constexpr int kParts = Codes::kParts;
@@ -224,8 +225,9 @@ template <int kRows, int kTiles, class Codes>
   constexpr int kProductsPerWiden = 32767 / (2 * Codes::kMaxCode * 127);
   constexpr int kChunksPerWiden = kProductsPerWiden / kParts > 0 ? kProductsPerWiden / kParts : 1;
   static_assert(!kPairSums || kProductsPerWiden >= kParts, "one chunk's products must fit 16 bits");
-  const int64_t groups = xq.groups, groups_per_x_block = w.x_block / w.group;
-  const int64_t chunks_per_group = w.group / Codes::kInputs;
+  const int64_t group_size = kGroup > 0 ? kGroup : w.group;
+  const int64_t groups = xq.groups, groups_per_x_block = w.x_block / group_size;
+  const int64_t chunks_per_group = group_size / Codes::kInputs;
   const int8_t* q[kRows];
   for (int r = 0; r < kRows; ++r) q[r] = xq.q + (row0 + r) * xq.k;
 
@@ -313,12 +315,21 @@ template <int kTiles, class Codes>
 void tile_rows_direct(const Codes& codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0,
                       const Output& out) {
   float total[4 * kTiles * kLanes];
-  row_blocks(rows, [&](auto block_rows, int64_t row0) {
-    constexpr int kRows = decltype(block_rows)::value;
-    std::fill(total, total + kRows * kTiles * kLanes, 0.0f);
-    add_x_blocks<kRows, kTiles>(codes, w, xq, row0, 0, w.k / w.x_block, total);
-    write_rows<kTiles>(w, total, row0, kRows, tile0, out);
-  });
+  // The common group sizes as constants: a decode step is mostly this loop.
+  auto with_group = [&](auto group) {
+    row_blocks(rows, [&](auto block_rows, int64_t row0) {
+      constexpr int kRows = decltype(block_rows)::value;
+      std::fill(total, total + kRows * kTiles * kLanes, 0.0f);
+      add_x_blocks<kRows, kTiles, Codes, decltype(group)::value>(codes, w, xq, row0, 0, w.k / w.x_block, total);
+      write_rows<kTiles>(w, total, row0, kRows, tile0, out);
+    });
+  };
+  if (w.group == 32)
+    with_group(std::integral_constant<int, 32>());
+  else if (w.group == 16)
+    with_group(std::integral_constant<int, 16>());
+  else
+    with_group(std::integral_constant<int, 0>());
 }
 
 // Many rows: panel by panel, every row meets the panel's widened codes.

@@ -13,9 +13,51 @@
 
 #include "api.h"
 #include "runtime.h"
+#include "simd.h"
 #include "team.h"
 
+#include <omp.h>
+
 namespace ls {
+namespace {
+
+// q . k over dim values: in vector lanes (a fixed order: lanes, then their reduction), or
+// one by one where dim is not a multiple of the lanes.
+float dot_vectors(const float* q, const float* k, int64_t dim) {
+  Simd::F a = Simd::zerof(), b = Simd::zerof();
+  int64_t d = 0;
+  for (; d + 2 * Simd::kLanes <= dim; d += 2 * Simd::kLanes) {
+    a = Simd::fmadd(Simd::loadf(q + d), Simd::loadf(k + d), a);
+    b = Simd::fmadd(Simd::loadf(q + d + Simd::kLanes), Simd::loadf(k + d + Simd::kLanes), b);
+  }
+  if (d < dim) a = Simd::fmadd(Simd::loadf(q + d), Simd::loadf(k + d), a);
+  return Simd::reduce(Simd::add(a, b));
+}
+
+float dot_scalar(const float* q, const float* k, int64_t dim) {
+  float dot = 0.0f;
+  for (int64_t d = 0; d < dim; ++d) dot += q[d] * k[d];
+  return dot;
+}
+
+// acc += p * v
+void axpy_vectors(float p, const float* v, float* acc, int64_t dim) {
+  const Simd::F weight = Simd::set1f(p);
+  for (int64_t d = 0; d < dim; d += Simd::kLanes)
+    Simd::storef(acc + d, Simd::fmadd(weight, Simd::loadf(v + d), Simd::loadf(acc + d)));
+}
+
+constexpr int64_t kPrefetch = 8;
+
+void prefetch(const float* row, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d);
+}
+
+void axpy_scalar(float p, const float* v, float* acc, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += p * v[d];
+}
+
+}  // namespace
 
 void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
                           const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
@@ -37,54 +79,62 @@ void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int
       }
     }
   }
-  {
-    // Each thread's own, kept between calls: a decode step allocates nothing here.
-    thread_local std::vector<float> scores, acc;
-    acc.resize(group * dim);
+  const int thread = omp_get_thread_num();
+#pragma omp single
+  scratch.per_thread.resize(omp_get_num_threads());
+  std::vector<float>& scores = scratch.per_thread[thread].scores;
+  std::vector<float>& acc = scratch.per_thread[thread].acc;
+  acc.resize(group * dim);
+  const bool vectors = dim % Simd::kLanes == 0;
 #pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < tokens * kv_heads; ++item) {
-      const int64_t row = item / kv_heads, kvh = item % kv_heads, b = row_seq[row];
-      // Keys first..position: all of them, or the last `window` under a sliding window.
-      const int64_t first = window > 0 ? std::max<int64_t>(0, row_pos[row] + 1 - window) : 0;
-      const int64_t len = row_pos[row] + 1 - first;
-      const int32_t* table = block_tables + b * max_blocks;
-      const float* qg = query + (row * heads + kvh * group) * dim;  // this KV head's query heads
-      scores.assign(group * len, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = first + t;
-        const float* k = k_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kvh * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qh = qg + g * dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qh[d] * k[d];
-          const float scaled = dot * scale;
-          scores[g * len + t] = softcap > 0.0f ? softcap * std::tanh(scaled / softcap) : scaled;
-        }
-      }
+  for (int64_t item = 0; item < tokens * kv_heads; ++item) {
+    const int64_t row = item / kv_heads, kvh = item % kv_heads, b = row_seq[row];
+    // Keys first..position: all of them, or the last `window` under a sliding window.
+    const int64_t first = window > 0 ? std::max<int64_t>(0, row_pos[row] + 1 - window) : 0;
+    const int64_t len = row_pos[row] + 1 - first;
+    const int32_t* table = block_tables + b * max_blocks;
+    const float* qg = query + (row * heads + kvh * group) * dim;  // this KV head's query heads
+    scores.resize(group * len);
+    // Positions lie a token's K/V row apart (all heads), often in another page: too far
+    // apart for the hardware prefetchers, so rows a few positions ahead are asked for.
+    auto key_at = [&](int64_t pos) {
+      return k_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kvh * dim;
+    };
+    auto value_at = [&](int64_t pos) {
+      return v_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kvh * dim;
+    };
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t pos = first + t;
+      if (t + kPrefetch < len) prefetch(key_at(pos + kPrefetch), dim);
+      const float* k = key_at(pos);
       for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        // A sink is one more logit in the softmax, with no value to weigh.
-        const float sink = sinks != nullptr ? sinks[kvh * group + g] : -INFINITY;
-        const float peak = std::max(*std::max_element(s, s + len), sink);
-        float total = sinks != nullptr ? std::exp(sink - peak) : 0.0f;
-        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - peak));
-        const float inverse = 1.0f / total;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+        const float scaled = (vectors ? dot_vectors(qg + g * dim, k, dim) : dot_scalar(qg + g * dim, k, dim)) * scale;
+        scores[g * len + t] = softcap > 0.0f ? softcap * std::tanh(scaled / softcap) : scaled;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t pos = first + t;
-        const float* v = v_cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kvh * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), out + (row * heads + kvh * group) * dim);
     }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores.data() + g * len;
+      // A sink is one more logit in the softmax, with no value to weigh.
+      const float sink = sinks != nullptr ? sinks[kvh * group + g] : -INFINITY;
+      const float peak = std::max(*std::max_element(s, s + len), sink);
+      float total = sinks != nullptr ? std::exp(sink - peak) : 0.0f;
+      for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - peak));
+      const float inverse = 1.0f / total;
+      for (int64_t t = 0; t < len; ++t) s[t] *= inverse;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t t = 0; t < len; ++t) {
+      const int64_t pos = first + t;
+      if (t + kPrefetch < len) prefetch(value_at(pos + kPrefetch), dim);
+      const float* v = value_at(pos);
+      for (int64_t g = 0; g < group; ++g) {
+        if (vectors)
+          axpy_vectors(scores[g * len + t], v, acc.data() + g * dim, dim);
+        else
+          axpy_scalar(scores[g * len + t], v, acc.data() + g * dim, dim);
+      }
+    }
+    std::copy(acc.begin(), acc.end(), out + (row * heads + kvh * group) * dim);
   }
 }
 

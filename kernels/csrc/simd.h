@@ -73,6 +73,7 @@ struct Simd {
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
@@ -123,6 +124,7 @@ struct Simd {
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
@@ -184,6 +186,7 @@ struct Simd {
   static I set1(int32_t v) { I r; for (auto& e : r.v) e = v; return r; }
   static F to_float(I a) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = static_cast<float>(a.v[l]); return r; }
   static F fmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = a.v[l] * b.v[l] + c.v[l]; return c; }
+  static F add(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] += b.v[l]; return a; }
   static F fnmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = c.v[l] - a.v[l] * b.v[l]; return c; }
   static F mul(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] *= b.v[l]; return a; }
   static F set1f(float v) { F r; for (auto& e : r.v) e = v; return r; }

@@ -57,7 +57,11 @@ void dense_matmul_team(const float* w, int64_t n, int64_t k, const float* x, int
 
 // ls_paged_attention's work; row_seq and row_pos are shared scratch.
 struct AttentionScratch {
+  struct Thread {
+    std::vector<float> scores, acc;
+  };
   std::vector<int64_t> row_seq, row_pos;
+  std::vector<Thread> per_thread;  // by thread number
 };
 void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
                           const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
