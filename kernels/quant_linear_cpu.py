@@ -73,6 +73,58 @@ class TiledWeight:
     def lanes(self) -> int:
         return self.codes.shape[2]
 
+    # The tensor fields and the number fields, as stored (models/prepared.py).
+    TENSORS = ("codes", "high", "super_scales", "sub_scales", "super_mins", "sub_mins", "levels")
+    NUMBERS = ("out_features", "in_features", "bits", "group_size", "groups_per_super", "zero", "x_block",
+               "level_scale")
+
+    def stored(self) -> tuple[dict[str, int | float], dict[str, torch.Tensor]]:
+        """(number fields, tensor fields present): what ``restore`` takes back."""
+        tensors = {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+        return {name: getattr(self, name) for name in self.NUMBERS}, tensors
+
+    @classmethod
+    def restore(cls, numbers: dict[str, int | float], tensors: dict[str, torch.Tensor], lanes: int) -> TiledWeight:
+        """A weight from ``stored``'s parts, every tensor's dtype and shape checked against
+        what ``tile`` makes for these numbers (the kernel trusts them): ValueError if not."""
+        try:
+            n, k, bits, group = (int(numbers[name]) for name in ("out_features", "in_features", "bits", "group_size"))
+            per_super, zero, x_block = (int(numbers[name]) for name in ("groups_per_super", "zero", "x_block"))
+            level_scale = float(numbers["level_scale"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a stored tiled weight's numbers are incomplete: {exc}") from None
+        if not (n > 0 and k > 0 and bits in (2, 3, 4, 5, 6, 8) and group > 0 and per_super > 0 and x_block > 0
+                and k % x_block == 0 and x_block % group == 0 and (group == 16 or group % 32 == 0)
+                and (k // group) % per_super == 0 and -1 <= zero <= 255 and lanes > 0):
+            raise ValueError(f"a stored tiled weight's numbers make no weight: {numbers}")
+        tiles, groups = -(-n // lanes), k // group
+        two_level = "sub_scales" in tensors
+        supers = groups // per_super if two_level else groups
+        u8, f16 = torch.uint8, torch.float16
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "codes": ((tiles, k // (8 if bits <= 6 else 4), lanes, 4), u8),
+            "super_scales": ((tiles, supers, lanes), f16)}
+        if 4 < bits <= 6:
+            expected["high"] = ((tiles, k // 32, bits - 4, lanes, 4), u8)
+        if two_level:
+            expected["sub_scales"] = ((tiles, groups, lanes), torch.int8)
+        if zero < 0:
+            expected["super_mins"] = ((tiles, supers, lanes), f16)
+            if two_level:
+                expected["sub_mins"] = ((tiles, groups, lanes), u8)
+        if "levels" in tensors:
+            expected["levels"] = ((16,), u8)
+        if set(tensors) != set(expected):
+            raise ValueError(f"a stored tiled weight has tensors {sorted(tensors)}, expected {sorted(expected)}")
+        for name, (shape, dtype) in expected.items():
+            t = tensors[name]
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"a stored tiled weight's {name} is {t.dtype} {list(t.shape)}, expected {dtype} "
+                                 f"{list(shape)}")
+        return cls(n, k, bits, group, per_super if two_level else 1, zero, x_block, tensors["codes"],
+                   tensors.get("high"), tensors["super_scales"], tensors.get("sub_scales"), tensors.get("super_mins"),
+                   tensors.get("sub_mins"), tensors.get("levels"), level_scale)
+
     def row_range(self, start: int, stop: int) -> TiledWeight:
         """Output rows ``start:stop`` as views (one expert of a stack), no copy: ``start``
         begins a tile and ``stop`` ends one or the weight."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -52,6 +53,21 @@ def build(
     for layer, experts in model.experts():
         experts.finalize(torch.device("cpu") if layer < cpu_moe_layers else device, dtype, int8_cpu=int8_cpu)
         _return_freed_heap()
+    return model.eval()
+
+
+def build_prepared(spec: ModelSpec, path: Path, device: torch.device, dtype: torch.dtype,
+                   max_position: int) -> LlamaForCausalLM:
+    """The model for ``spec`` with its weights mapped from a prepared layout (prepared.py)
+    instead of read from the checkpoint: PreparedMismatch if the file does not fit."""
+    from localserve.kernels import cpu_library
+
+    from . import prepared
+
+    with torch.device(device):
+        model = LlamaForCausalLM(spec, max_position, device)
+    model.cast(dtype)
+    prepared.load(model, path, cpu_library.lanes())
     return model.eval()
 
 

@@ -110,6 +110,10 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
                "of rounding them to int8 for GGUF's types as llama.cpp does (slower)."),
         option("--disable-cuda-graphs/--no-disable-cuda-graphs", "On a GPU, run decode steps eagerly instead of "
                "replaying the CUDA graphs captured at load."),
+        click.option("--prepared-cache/--no-prepared-cache", "prepared_cache", default=True, show_default=True,
+                     help="On the CPU, keep a GGUF model's weights in the kernels' layout under <home>/prepared "
+                          "(about the model's size on disk) and map them at the next load instead of converting "
+                          "the file again."),
     ]
     for add in reversed(options):
         command = add(command)  # type: ignore[assignment]
@@ -119,6 +123,10 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
 def engine_config(options: dict[str, object]) -> EngineConfig:
     """The ``EngineConfig`` from a command's ``engine_options`` (removed from ``options``)."""
     names = [f.name for f in dataclasses.fields(EngineConfig)]
+    if "prepared_cache" in options:  # a flag here, a folder in the engine
+        from ..registry import default_home
+
+        options["prepared_cache"] = str(default_home() / "prepared") if options["prepared_cache"] else None
     return EngineConfig(**{name: options.pop(name) for name in names if name in options})  # type: ignore[arg-type]
 
 

@@ -49,6 +49,10 @@ class EngineConfig:
     disable_cuda_graphs: bool = field(
         default_factory=lambda: os.environ.get("LOCALSERVE_DISABLE_CUDA_GRAPHS") == "1")
     threads: int | None = None  # CPU threads for the kernels and torch; default: the physical cores we may use
+    # A folder where GGUF models' weights, once converted to the CPU kernels' layout, are
+    # kept and mapped at the next load instead of converted again (engine/prepared_store.py);
+    # None: convert at every load. The daemon and the CLI use <home>/prepared.
+    prepared_cache: str | None = None
 
     def __post_init__(self) -> None:
         checks = [

@@ -1,0 +1,162 @@
+"""The prepared CPU layout (models/prepared.py, engine/prepared_store.py): a GGUF model's
+converted weights stored after its first load and mapped at the next. The mapped model
+must compute exactly what the converted one does; a file that does not fit (another source
+version, a damaged or doctored file) must never be read into the kernels, only replaced."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from localserve import Engine, EngineConfig
+from localserve.engine import prepared_store
+from localserve.kernels import cpu_library
+from localserve.models import prepared
+
+from .conftest import random_prompt
+from .gguf_writers import tiny_llama, write_gguf
+from .test_models import all_logits
+
+pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels were not built")
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+PROMPTS = [[1, *random_prompt(30, seed=8)]]
+
+
+@pytest.fixture(scope="module")
+def tiny_f32(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    path = tmp_path_factory.mktemp("prepared") / "tiny-f32.gguf"
+    write_gguf(path, tiny_llama(), Q.F32)
+    return path
+
+
+@pytest.fixture
+def q4_k_m(tmp_path, tiny_f32):  # type: ignore[no-untyped-def]
+    from .test_gguf_models import llama_cpp_quantize
+
+    path = tmp_path / "tiny-Q4_K_M.gguf"
+    llama_cpp_quantize(tiny_f32, path, "Q4_K_M")
+    return path
+
+
+def engine(path, folder, **options) -> Engine:  # type: ignore[no-untyped-def]
+    return Engine(path, EngineConfig(num_kv_blocks=16, prepared_cache=str(folder), **options), device="cpu",
+                  dtype=torch.float32)
+
+
+def stored_files(folder) -> list:  # type: ignore[no-untyped-def]
+    return sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+
+
+def test_the_mapped_model_computes_what_the_converted_one_does(tmp_path, q4_k_m, monkeypatch, caplog) -> None:
+    folder = tmp_path / "prepared"
+    converted = all_logits(engine(q4_k_m, folder), PROMPTS)
+    assert len(stored_files(folder)) == 1
+    # The second load reads no checkpoint weights at all.
+    from localserve import models
+
+    monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("the checkpoint was converted again"))
+    with caplog.at_level(logging.INFO, logger="localserve.engine.engine"):
+        mapped = engine(q4_k_m, folder)
+    assert "mapped from the prepared layout" in caplog.text
+    assert any(len(layer.attn.qkv.weights) > 1 for layer in mapped.model.layers)  # Q4_K_M's mixed parts, kept
+    assert torch.equal(all_logits(mapped, PROMPTS)[0], converted[0])
+
+
+def test_a_dense_model_maps_too(tmp_path, tiny_f32) -> None:
+    folder = tmp_path / "prepared"
+    converted = all_logits(engine(tiny_f32, folder), PROMPTS)
+    assert torch.equal(all_logits(engine(tiny_f32, folder), PROMPTS)[0], converted[0])
+
+
+def test_a_changed_source_is_prepared_again_and_the_old_layout_removed(tmp_path, q4_k_m) -> None:
+    folder = tmp_path / "prepared"
+    engine(q4_k_m, folder)
+    [before] = stored_files(folder)
+    stat = q4_k_m.stat()
+    os.utime(q4_k_m, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    engine(q4_k_m, folder)
+    [after] = stored_files(folder)
+    assert after != before and after.split("-")[0] == before.split("-")[0]
+
+
+def damage_truncated(path) -> None:  # type: ignore[no-untyped-def]
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def damage_shape(path) -> None:  # type: ignore[no-untyped-def]
+    """A well-formed file whose first tiled codes are one tile short: the kernel would
+    read past them."""
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {name: handle.get_tensor(name).clone() for name in handle.keys()}
+    name = next(n for n in tensors if n.endswith(".codes"))
+    tensors[name] = tensors[name][1:].contiguous()
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def damage_format(path) -> None:  # type: ignore[no-untyped-def]
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name).clone() for name in handle.keys()}
+    save_file(tensors, str(path), metadata={"format": "something else"})
+
+
+@pytest.mark.parametrize("damage", [damage_truncated, damage_shape, damage_format])
+def test_a_layout_that_does_not_fit_is_converted_again(tmp_path, q4_k_m, caplog, damage) -> None:
+    folder = tmp_path / "prepared"
+    converted = all_logits(engine(q4_k_m, folder), PROMPTS)
+    [name] = stored_files(folder)
+    damage(folder / name)
+    with caplog.at_level(logging.WARNING, logger="localserve.engine.engine"):
+        reloaded = engine(q4_k_m, folder)
+    assert "does not fit" in caplog.text
+    assert torch.equal(all_logits(reloaded, PROMPTS)[0], converted[0])
+    # Stored again, whole: the next load maps it.
+    with safe_open(str(folder / name), framework="pt") as handle:
+        assert handle.metadata()["format"] == prepared.FORMAT
+
+
+def test_what_is_not_stored(tmp_path, tiny_f32, tiny_models) -> None:
+    assert stored_files(tmp_path) == []
+    engine(tiny_f32, tmp_path / "exact", exact_cpu_matmul=True)  # QuantWeights kept for fp32 activations
+    assert stored_files(tmp_path / "exact") == []
+    Engine(tiny_f32, EngineConfig(num_kv_blocks=16), device="cpu", dtype=torch.float32)  # no folder: off
+    moe, _ = tiny_models.get("mixtral")  # HF checkpoints load by mapping already
+    engine(moe, tmp_path / "hf")
+    assert stored_files(tmp_path / "hf") == []
+
+
+def test_moe_models_are_not_stored(tmp_path) -> None:
+    from .gguf_writers import tiny_moe
+
+    path = tmp_path / "moe.gguf"
+    write_gguf(path, tiny_moe("mixtral"), Q.Q8_0)
+    engine(path, tmp_path / "prepared")
+    assert stored_files(tmp_path / "prepared") == []
+
+
+def test_layouts_of_removed_sources_are_pruned(tmp_path, tiny_f32) -> None:
+    source = tmp_path / "copy.gguf"
+    source.write_bytes(tiny_f32.read_bytes())
+    folder = tmp_path / "prepared"
+    engine(source, folder)
+    (folder / "left-over.safetensors.partial").write_bytes(b"partial")
+    source.unlink()
+    engine(tiny_f32, folder)  # storing another model prunes the folder
+    [kept] = stored_files(folder)
+    assert not (folder / "left-over.safetensors.partial").exists()
+    assert kept.split("-")[0] == prepared_store.path_for(folder, [tiny_f32], {}).name.split("-")[0]
+
+
+def test_the_cli_keeps_layouts_under_the_home_unless_told_not_to(tmp_path, monkeypatch) -> None:
+    from localserve.cli.main import engine_config
+
+    monkeypatch.setenv("LOCALSERVE_HOME", str(tmp_path))
+    assert engine_config({"prepared_cache": True}).prepared_cache == str(tmp_path / "prepared")
+    assert engine_config({"prepared_cache": False}).prepared_cache is None
