@@ -110,11 +110,14 @@ struct TiledCodes {
   static constexpr bool kMinsForm = kMins;
   const ls_tiled_weight& w;
   int64_t tile0, groups, supers;
+  int super_shift;  // log2(groups_per_super), or -1: a division per group costs as much as its dot products
   const uint8_t *codes[kTiles], *high_planes[kTiles];
   I levels;
 
   TiledCodes(const ls_tiled_weight& weight, int64_t first_tile)
-      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super) {
+      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super),
+        super_shift((weight.groups_per_super & (weight.groups_per_super - 1)) == 0
+                        ? __builtin_ctz(static_cast<unsigned>(weight.groups_per_super)) : -1) {
     if constexpr (kLevels) levels = Simd::broadcast16(w.levels);
     for (int t = 0; t < kTiles; ++t) {
       codes[t] = w.codes + (tile0 + t) * (w.k / kInputs) * kLanes * 4;
@@ -149,9 +152,11 @@ struct TiledCodes {
     }
   }
 
+  int64_t super_of(int64_t g) const { return super_shift >= 0 ? g >> super_shift : g / w.groups_per_super; }
+
   F scale(int t, int64_t g) const {
     const int64_t tile = tile0 + t;
-    F s = Simd::load_half(w.super_scales + (tile * supers + g / w.groups_per_super) * kLanes);
+    F s = Simd::load_half(w.super_scales + (tile * supers + super_of(g)) * kLanes);
     if constexpr (kTwoLevel) s = Simd::mul(s, Simd::load_i8(w.sub_scales + (tile * groups + g) * kLanes));
     if constexpr (kLevels) s = Simd::mul(s, Simd::set1f(w.level_scale));  // exact: a power of two
     return s;
@@ -159,7 +164,7 @@ struct TiledCodes {
 
   F min(int t, int64_t g) const {
     const int64_t tile = tile0 + t;
-    F m = Simd::load_half(w.super_mins + (tile * supers + g / w.groups_per_super) * kLanes);
+    F m = Simd::load_half(w.super_mins + (tile * supers + super_of(g)) * kLanes);
     if constexpr (kTwoLevel) m = Simd::mul(m, Simd::load_u8(w.sub_mins + (tile * groups + g) * kLanes));
     return m;
   }
@@ -246,8 +251,8 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
         const int32_t start = w.zero > 0 ? -w.zero * xq.q_sum[(row0 + r) * groups + g] : 0;
         for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(start), pairs[r][t] = Simd::set1(0);
       }
-      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        const int64_t at = c * Codes::kInputs;
+      for (int64_t i = 0; i < chunks_per_group; ++i) {
+        const int64_t c = g * chunks_per_group + i, at = c * Codes::kInputs;
         I parts[kTiles][kParts];
         for (int t = 0; t < kTiles; ++t) codes.load(t, c, parts[t]);
         for (int r = 0; r < kRows; ++r)
@@ -261,7 +266,7 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
             }
           }
         if constexpr (kPairSums) {  // widened before the 16-bit sums could overflow, and at the group's end
-          if ((c + 1) % kChunksPerWiden == 0 || c + 1 == (g + 1) * chunks_per_group)
+          if ((i + 1) % kChunksPerWiden == 0 || i + 1 == chunks_per_group)
             for (int r = 0; r < kRows; ++r)
               for (int t = 0; t < kTiles; ++t) {
                 dots[r][t] = Simd::widen16(dots[r][t], pairs[r][t]);
