@@ -110,8 +110,9 @@ def main() -> None:
         raise SystemExit("this model's layers do not run as one stack: no breakdown of them")
 
     count = len(steps)
-    step = statistics.median(steps)
-    median = {name: statistics.median(values) for name, values in totals.items()}
+    # Means throughout, so that the parts add up to the step.
+    step = statistics.mean(steps)
+    median = {name: statistics.mean(values) for name, values in totals.items()}
     inside = {name: seconds / count for name, seconds in stacked.items()}
     nbytes = weight_bytes(model)
     spec = engine.spec
@@ -128,7 +129,7 @@ def main() -> None:
     total_bytes = sum(b for _, _, b in rows)
     bound = total_bytes / bandwidth
     print(f"\n{args.model.name}, {args.threads} threads: {count} decode steps after {args.context} prompt tokens; "
-          f"median step {step * 1e3:.2f} ms ({1 / step:.1f} tokens/s)")
+          f"mean step {step * 1e3:.2f} ms ({1 / step:.1f} tokens/s)")
     print(f"{'part':28s} {'ms':>7s} {'share':>6s} {'MB':>8s} {'GB/s':>6s} {'of bandwidth':>12s}")
     for name, seconds, moved in rows:
         rate = moved / seconds if seconds > 0 and moved else 0.0
