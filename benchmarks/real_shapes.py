@@ -67,10 +67,15 @@ class Shape:
     head_dim: int | None = None
     sliding_window: int = 0  # Gemma 2: every other layer slides
     pooling: str = ""  # an embedding model's (gguf.PoolingType's name), its tokenizer appending EOS
+    tied: bool = True  # the LM head is the embedding table (else an output.weight of its own)
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 16, 2048, 32, 8, 8192, 128256, 500000.0),
+    # The 8B shapes people run: ~4.9 GB at Q4_K_M, an untied LM head (Q6_K in that mix). Their
+    # F16 source (16 GB) is written tensor by tensor, never whole in memory.
+    "llama-3.1-8b": Shape("llama", 32, 4096, 32, 8, 14336, 128256, 500000.0, tied=False),
+    "qwen3-8b": Shape("qwen3", 36, 4096, 32, 8, 12288, 151936, 1000000.0, head_dim=128, tied=False),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 12, 2, 8960, 151936, 1000000.0, qkv_bias=True),
     # Gemma-2-2B: GeGLU, four norms a layer, soft caps 50/30, a 4,096 window on every other
     # layer, heads of 256, a 256,000-token vocabulary (tied).
@@ -143,16 +148,23 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
+    # Each tensor's shape, type and how to make it, in file order; made (drawing from rng in
+    # that order) and written one at a time, so an 8B model's 16 GB never sit in memory.
+    plan: list[tuple[str, tuple[int, ...], type, object]] = []
+
     def add(name: str, rows: int, columns: int, std: float | None = None) -> None:
         scale = std if std is not None else columns ** -0.5
-        writer.add_tensor(name, (rng.standard_normal((rows, columns), dtype=np.float32) * scale).astype(np.float16))
+        plan.append((name, (rows, columns), np.float16,
+                     lambda: (rng.standard_normal((rows, columns), dtype=np.float32) * scale).astype(np.float16)))
 
     def vector(name: str, size: int, value: float | None = None) -> None:
-        data = np.full(size, value, np.float32) if value is not None else rng.standard_normal(size, np.float32) * 0.02
-        writer.add_tensor(name, data)
+        plan.append((name, (size,), np.float32, lambda: np.full(size, value, np.float32) if value is not None
+                     else rng.standard_normal(size, np.float32) * 0.02))
 
     add("token_embd.weight", shape.vocab, shape.hidden, std=1.0)  # tied: the LM head too
     vector("output_norm.weight", shape.hidden, 1.0)
+    if not shape.tied:
+        add("output.weight", shape.vocab, shape.hidden)
     q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     for i in range(shape.layers):
         b = f"blk.{i}"
@@ -173,19 +185,24 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
             vector(f"{b}.attn_q_norm.weight", head_dim, 1.0)
             vector(f"{b}.attn_k_norm.weight", head_dim, 1.0)
         if shape.experts:
-            writer.add_tensor(f"{b}.ffn_gate_inp.weight",
-                              rng.standard_normal((shape.experts, shape.hidden), dtype=np.float32) * 0.1)
+            plan.append((f"{b}.ffn_gate_inp.weight", (shape.experts, shape.hidden), np.float32,
+                         lambda: rng.standard_normal((shape.experts, shape.hidden), dtype=np.float32) * 0.1))
             for name, rows, columns in (("gate", shape.expert_ffn, shape.hidden), ("up", shape.expert_ffn, shape.hidden),
                                         ("down", shape.hidden, shape.expert_ffn)):
-                experts = rng.standard_normal((shape.experts, rows, columns), dtype=np.float32) * columns ** -0.5
-                writer.add_tensor(f"{b}.ffn_{name}_exps.weight", experts.astype(np.float16))
+                plan.append((f"{b}.ffn_{name}_exps.weight", (shape.experts, rows, columns), np.float16,
+                             lambda rows=rows, columns=columns: (rng.standard_normal(
+                                 (shape.experts, rows, columns), dtype=np.float32) * columns ** -0.5).astype(np.float16)))
         else:
             add(f"{b}.ffn_gate.weight", shape.ffn, shape.hidden)
             add(f"{b}.ffn_up.weight", shape.ffn, shape.hidden)
             add(f"{b}.ffn_down.weight", shape.hidden, shape.ffn)
+    for name, dims, dtype, _ in plan:
+        writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, _, _, make in plan:
+        writer.write_tensor_data(make())  # type: ignore[operator]
     writer.close()
     path.with_suffix(".partial").replace(path)
 
