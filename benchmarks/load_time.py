@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import real_shapes  # noqa: E402
 from host_facts import cpu_summary  # noqa: E402
-from servers import free_port, stop  # noqa: E402
+from servers import free_port, stop, wait_ready  # noqa: E402
 
 
 def drop_page_cache() -> bool:
@@ -47,17 +47,7 @@ def start_to_ready(command: list[str], ready: str, url: str, env: dict[str, str]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"{command[0]} exited; see {log}")
-            try:
-                if httpx.get(ready, timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - start > 600:
-                raise SystemExit(f"{command[0]} not ready after 600 s; see {log}")
-            time.sleep(0.02)
+        wait_ready(process, ready, log, poll_s=0.02)
         ready_s = time.perf_counter() - start
         first = time.perf_counter()
         response = httpx.post(f"{url}/v1/completions", timeout=600, headers={"Authorization": "Bearer bench"},

@@ -37,7 +37,9 @@ def serving(command: list[str], ready_url: str, threads: int, log: Path) -> Iter
         stop(process)
 
 
-def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path, poll_s: float = 0.5) -> None:
+    """Until ``url`` answers 200, asking every ``poll_s`` seconds (start-up timings poll
+    finely)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -47,7 +49,7 @@ def wait_ready(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"server not ready at {url} after {READY_TIMEOUT_S:.0f}s; last output:\n{tail(log)}")
 
 
