@@ -227,6 +227,7 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
   // pair products (|2 * kMaxCode * 127| per 16-bit lane) are summed in 16 bits for as many
   // steps as cannot overflow, then widened once: exact, and a third fewer instructions.
   constexpr bool kPairSums = Simd::kPairSums && !Codes::kWide;
+  constexpr bool kCentred = Simd::kPairSums && Codes::kWide;  // AVX2 meets wide codes as u - 128
   constexpr int kProductsPerWiden = 32767 / (2 * Codes::kMaxCode * 127);
   constexpr int kChunksPerWiden = kProductsPerWiden / kParts > 0 ? kProductsPerWiden / kParts : 1;
   static_assert(!kPairSums || kProductsPerWiden >= kParts, "one chunk's products must fit 16 bits");
@@ -248,7 +249,10 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
       }
       I dots[kRows][kTiles], pairs[kRows][kTiles];
       for (int r = 0; r < kRows; ++r) {
-        const int32_t start = w.zero > 0 ? -w.zero * xq.q_sum[(row0 + r) * groups + g] : 0;
+        const int32_t q_sum = xq.q_sum[(row0 + r) * groups + g];
+        // A centred dot leaves out 128 * sum(q) (Simd::dot_centred): added here once a group,
+        // where a zero point of 128 (Q8_0, the codebooks) cancels it.
+        const int32_t start = (w.zero > 0 ? -w.zero * q_sum : 0) + (kCentred ? 128 * q_sum : 0);
         for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(start), pairs[r][t] = Simd::set1(0);
       }
       for (int64_t i = 0; i < chunks_per_group; ++i) {
@@ -262,7 +266,8 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
               if constexpr (kPairSums)
                 pairs[r][t] = Simd::dot16(pairs[r][t], parts[t][p], x4);
               else
-                dots[r][t] = Simd::dot<Codes::kWide>(dots[r][t], parts[t][p], x4);
+                dots[r][t] = kCentred ? Simd::dot_centred(dots[r][t], parts[t][p], x4)
+                                      : Simd::dot<Codes::kWide>(dots[r][t], parts[t][p], x4);
             }
           }
         if constexpr (kPairSums) {  // widened before the 16-bit sums could overflow, and at the group's end
