@@ -16,6 +16,7 @@ fp32-activation path's QuantWeights are not (``storable``), and load as before.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -74,7 +75,7 @@ def save(model: LlamaForCausalLM, path: Path, source: str) -> None:
     for name, tensor in _plain_tensors(model).items():
         tensors[f"plain.{name}"] = tensor.detach()
     metadata = {"format": FORMAT, "source": source, "linears": json.dumps(linears)}
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes never share one
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
     partial.replace(path)
 
