@@ -9,9 +9,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localserve.registry.builtin import DEMO
+
 from .conftest import SHARED, reinitialise
 
 STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
+# The vocabulary every tiny file carries: stories260K's, read from the demo model the package
+# ships (the same 512 pieces, scores and types as ../shared's copy), so no test that writes a
+# GGUF file needs anything beside the repository.
+VOCAB_GGUF = DEMO.path
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -138,7 +144,7 @@ def stories_vocab() -> dict:
     """The real 512-token SentencePiece vocabulary (llama.cpp needs a vocab to load a file)."""
     import gguf
 
-    reader = gguf.GGUFReader(STORIES_GGUF)
+    reader = gguf.GGUFReader(VOCAB_GGUF)
     field = reader.fields
     tokens = [bytes(field["tokenizer.ggml.tokens"].parts[i]).decode() for i in field["tokenizer.ggml.tokens"].data]
     scores = [float(field["tokenizer.ggml.scores"].parts[i][0]) for i in field["tokenizer.ggml.scores"].data]
