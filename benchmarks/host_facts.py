@@ -6,48 +6,27 @@ memory bandwidth this machine gives (measured, STREAM-like), printed beside ever
 
 from __future__ import annotations
 
-import platform
+import os
 import time
 from pathlib import Path
 
-# The flags that decide which kernels run (and how fast llama.cpp's run).
-VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
-                "amx_int8", "amx_bf16")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.partition(":")[2].split())
-                return [flag for flag in VECTOR_FLAGS if flag in have]
-    except OSError:
-        pass
-    return []
-
 
 def cpu_summary() -> str:
-    import os
+    """The CPU's model (and family/model numbers: "AMD EPYC" alone does not tell Zen 3 from
+    Zen 4), cores and the vector flags the kernels use, as ``localserve doctor`` names them."""
+    from localserve.doctor.host import ISA_FLAGS
+    from localserve.kernels import cpu_library
+    from localserve.server.host import device_name
 
     family = ""
     try:
-        text = Path("/proc/cpuinfo").read_text()
         fields = {key.strip(): value.strip() for key, _, value in
-                  (line.partition(":") for line in text.splitlines()[:30])}
+                  (line.partition(":") for line in Path("/proc/cpuinfo").read_text().splitlines()[:30])}
         family = f", family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-    except (OSError, ValueError):
+    except OSError:
         pass
-    return f"CPU: {cpu_model()}{family}, {os.cpu_count()} cores; flags: {' '.join(cpu_flags()) or 'none of note'}"
+    flags = " ".join(flag for flag in ISA_FLAGS if flag in cpu_library.cpu_flags()) or "none the kernels use"
+    return f"CPU: {device_name('cpu')}{family}, {os.cpu_count()} cores; flags: {flags}"
 
 
 def measure_bandwidth(threads: int, megabytes: int = 512, repeats: int = 7) -> float:
