@@ -34,11 +34,7 @@ def build(
     quantized weights are tiled for the int8 kernel unless ``exact_cpu_matmul`` keeps
     every matmul in fp32 or the engine keeps the torch references (``cpu_kernels``)."""
     int8_cpu = cpu_kernels and not exact_cpu_matmul
-    if spec.architecture not in ARCHITECTURES:
-        raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
-    with torch.device(device):
-        model = LlamaForCausalLM(spec, max_position, device)
-    model.cast(dtype)
+    model = _empty_model(spec, device, dtype, max_position)
 
     def finalize(linear: Linear) -> None:
         linear.finalize(device, dtype, int8_cpu=int8_cpu)
@@ -64,11 +60,19 @@ def build_prepared(spec: ModelSpec, path: Path, device: torch.device, dtype: tor
 
     from . import prepared
 
+    model = _empty_model(spec, device, dtype, max_position)
+    prepared.load(model, path, cpu_library.lanes())
+    return model.eval()
+
+
+def _empty_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype, max_position: int) -> LlamaForCausalLM:
+    """The model's modules on ``device`` in ``dtype``, with no weights filled in yet."""
+    if spec.architecture not in ARCHITECTURES:
+        raise LocalserveError(f"architecture {spec.architecture!r} is not supported")
     with torch.device(device):
         model = LlamaForCausalLM(spec, max_position, device)
     model.cast(dtype)
-    prepared.load(model, path, cpu_library.lanes())
-    return model.eval()
+    return model
 
 
 def _return_freed_heap() -> None:

@@ -61,7 +61,7 @@ def test_the_mapped_model_computes_what_the_converted_one_does(tmp_path, q4_k_m,
     from localserve import models
 
     monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("the checkpoint was converted again"))
-    with caplog.at_level(logging.INFO, logger="localserve.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="localserve.engine"):
         mapped = engine(q4_k_m, folder)
     assert "mapped from the prepared layout" in caplog.text
     assert any(len(layer.attn.qkv.weights) > 1 for layer in mapped.model.layers)  # Q4_K_M's mixed parts, kept
@@ -113,7 +113,7 @@ def test_a_layout_that_does_not_fit_is_converted_again(tmp_path, q4_k_m, caplog,
     converted = all_logits(engine(q4_k_m, folder), PROMPTS)
     [name] = stored_files(folder)
     damage(folder / name)
-    with caplog.at_level(logging.WARNING, logger="localserve.engine.engine"):
+    with caplog.at_level(logging.WARNING, logger="localserve.engine"):
         reloaded = engine(q4_k_m, folder)
     assert "does not fit" in caplog.text
     assert torch.equal(all_logits(reloaded, PROMPTS)[0], converted[0])

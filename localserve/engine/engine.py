@@ -13,8 +13,6 @@ import torch
 from .. import models
 from ..formats import Checkpoint
 from ..kernels import cpu_library
-from ..models import prepared
-from ..models.prepared import PreparedMismatch, storable
 from . import prepared_store
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
@@ -143,59 +141,22 @@ class Engine:
         self.num_finished_requests = 0
 
     def _load_model(self, checkpoint: Checkpoint, context: int, progress: LoadProgress) -> models.LlamaForCausalLM:
-        """The model built from the checkpoint, or mapped from its prepared CPU layout
-        when one is stored (then stored after a build, where the layout takes it)."""
-        spec = checkpoint.spec
-        stored = self._prepared_path(checkpoint)
-        if stored is not None and stored.exists():
-            start = time.monotonic()
-            try:
-                model = models.build_prepared(spec, stored, self.device, self.dtype, context)
-            except PreparedMismatch as exc:
-                log.warning("the prepared layout %s does not fit (%s): converting the checkpoint again", stored, exc)
-                stored.unlink(missing_ok=True)
-            else:
-                log.info("weights mapped from the prepared layout %s in %.2f s", stored, time.monotonic() - start)
-                progress.done = progress.total
-                return model
-        model = models.build(spec, _counted(checkpoint.weights(), progress), self.device, self.dtype, context,
-                             cpu_moe_layers=self.config.cpu_moe_layers(spec.num_layers),
+        """The model built from the checkpoint, or mapped from its stored CPU layout
+        (prepared_store.py) when there is one; a built model's layout is stored."""
+        on_int8_kernels = (self.device.type == "cpu" and self.kernels.cpu_kernels
+                           and not self.config.exact_cpu_matmul)
+        stored = (prepared_store.location(self.config.prepared_cache, checkpoint, self.dtype)
+                  if on_int8_kernels else None)
+        if stored is not None and (model := prepared_store.load(checkpoint.spec, stored, self.device, self.dtype,
+                                                                context)) is not None:
+            progress.done = progress.total
+            return model
+        model = models.build(checkpoint.spec, _counted(checkpoint.weights(), progress), self.device, self.dtype,
+                             context, cpu_moe_layers=self.config.cpu_moe_layers(checkpoint.spec.num_layers),
                              exact_cpu_matmul=self.config.exact_cpu_matmul, cpu_kernels=self.kernels.cpu_kernels)
-        if stored is not None and storable(model):
-            self._store_prepared(model, stored, checkpoint)
+        if stored is not None:
+            prepared_store.store(model, stored, checkpoint)
         return model
-
-    def _prepared_path(self, checkpoint: Checkpoint) -> Path | None:
-        """Where this GGUF checkpoint's CPU layout is kept, when the engine keeps one: a
-        CPU model on the int8 kernels, with a cache folder configured."""
-        folder = self.config.prepared_cache
-        if (folder is None or checkpoint.gguf is None or self.device.type != "cpu" or not self.kernels.cpu_kernels
-                or self.config.exact_cpu_matmul or not cpu_library.available()):
-            return None
-        build = {"variant": str(cpu_library.variant()), "lanes": str(cpu_library.lanes()), "dtype": str(self.dtype)}
-        try:
-            return prepared_store.path_for(Path(folder), checkpoint.gguf.paths, build)
-        except OSError as exc:
-            log.warning("no prepared layout: %s", exc)
-            return None
-
-    def _store_prepared(self, model: models.LlamaForCausalLM, stored: Path, checkpoint: Checkpoint) -> None:
-        size = sum(linear.nbytes for linear in model.linears())
-        start = time.monotonic()
-        try:
-            stored.parent.mkdir(parents=True, exist_ok=True)
-            if not prepared_store.has_room(stored.parent, size):
-                log.warning("not storing the prepared layout (%.2f GB): too little free space in %s", size / 1e9,
-                            stored.parent)
-                return
-            assert checkpoint.gguf is not None
-            prepared.save(model, stored, prepared_store.source_label(checkpoint.gguf.paths))
-            prepared_store.prune(stored.parent, keep=stored)
-        except OSError as exc:
-            log.warning("could not store the prepared layout in %s: %s", stored.parent, exc)
-            return
-        log.info("prepared layout stored as %s (%.2f GB, %.1f s): the next load maps it", stored, size / 1e9,
-                 time.monotonic() - start)
 
     def _warm_up(self) -> None:
         """Compile the kernels of prefill steps and capture the decode steps' CUDA graphs,

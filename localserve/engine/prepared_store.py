@@ -1,6 +1,6 @@
-"""Where a GGUF model's prepared CPU layout (models/prepared.py) is kept: one file per
-source file and build, in the folder ``EngineConfig.prepared_cache`` names (the daemon and
-the CLI use ``<home>/prepared``).
+"""Where a GGUF model's prepared CPU layout (models/prepared.py) is kept, and the engine's
+one way to it (``location``, ``load``, ``store``): one file per source file and build, in
+the folder ``EngineConfig.prepared_cache`` names (the daemon and the CLI use ``<home>/prepared``).
 
 A file's name holds a digest of its source (the GGUF files' real paths: a registry blob or
 any file given by path) and one of everything its contents depend on: each source file's
@@ -17,12 +17,76 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import models
+from ..kernels import cpu_library
+from ..models import prepared
+
+if TYPE_CHECKING:
+    from ..formats import Checkpoint
+    from ..formats.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 # Free space kept beyond a new file's size: preparing never fills a disk.
 _MARGIN = 1 << 30
+
+
+def location(folder: str | None, checkpoint: Checkpoint, dtype: torch.dtype) -> Path | None:
+    """Where this checkpoint's layout for the int8 kernels is kept: a GGUF file, a cache
+    folder configured, the kernels built; else None."""
+    if folder is None or checkpoint.gguf is None or not cpu_library.available():
+        return None
+    build = {"variant": str(cpu_library.variant()), "lanes": str(cpu_library.lanes()), "dtype": str(dtype)}
+    try:
+        return path_for(Path(folder), checkpoint.gguf.paths, build)
+    except OSError as exc:
+        log.warning("no prepared layout: %s", exc)
+        return None
+
+
+def load(spec: ModelSpec, stored: Path, device: torch.device, dtype: torch.dtype,
+         max_position: int) -> models.LlamaForCausalLM | None:
+    """The model mapped from ``stored``, or None: no such file, or one that does not fit
+    (deleted, so the caller converts and stores it anew)."""
+    if not stored.exists():
+        return None
+    start = time.monotonic()
+    try:
+        model = models.build_prepared(spec, stored, device, dtype, max_position)
+    except prepared.PreparedMismatch as exc:
+        log.warning("the prepared layout %s does not fit (%s): converting the checkpoint again", stored, exc)
+        stored.unlink(missing_ok=True)
+        return None
+    log.info("weights mapped from the prepared layout %s in %.2f s", stored, time.monotonic() - start)
+    return model
+
+
+def store(model: models.LlamaForCausalLM, stored: Path, checkpoint: Checkpoint) -> None:
+    """Keep a freshly built model's layout at ``stored`` when the format takes it and the
+    disk has room; then prune the folder. A failure costs a warning, never the load."""
+    if not prepared.storable(model) or checkpoint.gguf is None:
+        return
+    size = sum(linear.nbytes for linear in model.linears())
+    start = time.monotonic()
+    try:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        if not has_room(stored.parent, size):
+            log.warning("not storing the prepared layout (%.2f GB): too little free space in %s", size / 1e9,
+                        stored.parent)
+            return
+        prepared.save(model, stored, source_label(checkpoint.gguf.paths))
+        prune(stored.parent, keep=stored)
+    except OSError as exc:
+        log.warning("could not store the prepared layout in %s: %s", stored.parent, exc)
+        return
+    log.info("prepared layout stored as %s (%.2f GB, %.1f s): the next load maps it", stored, size / 1e9,
+             time.monotonic() - start)
 
 
 def _digest(text: str) -> str:
