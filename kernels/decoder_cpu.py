@@ -102,6 +102,7 @@ class DecoderStack:
         self._shape = cpu_library.DecoderShapeDesc(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                                    shape.rotary_dim, shape.intermediate, shape.eps)
         self._table = (cpu_library.DecoderLayerDesc * len(layers))(*[self._describe(layer) for layer in layers])
+        self.rotary_tables = 1 + max(layer.rope for layer in layers)  # how many a step must pass
 
     def _projection(self, projection: Projection, k: int, n: int, what: str) -> cpu_library.LinearDesc:
         weights = projection.weights
@@ -125,8 +126,9 @@ class DecoderStack:
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
         if not takes_cache(layer.cache) or tuple(layer.cache.key.shape[1:]) != (self.block_size, s.kv_heads, s.head_dim):
             raise ValueError("the stack takes fp32 caches of one block size, [blocks, block_size, kv_heads, head_dim]")
-        if layer.activation not in ACTIVATIONS:
-            raise ValueError(f"activation {layer.activation!r} is not one of {ACTIVATIONS}")
+        if layer.activation not in ACTIVATIONS or layer.rope not in (0, 1):
+            raise ValueError(f"activation {layer.activation!r} (one of {ACTIVATIONS}) or rotary table {layer.rope} "
+                             "(0 or 1) not taken")
         return cpu_library.DecoderLayerDesc(
             input_norm=_address(_vector(layer.input_norm, s.hidden, "input norm")),
             qkv=self._projection(layer.qkv, s.hidden, q_size + 2 * kv_size, "qkv"),
@@ -159,9 +161,8 @@ class DecoderStack:
         tables, query_start, seq_lens = (meta.block_tables.contiguous(), meta.query_start_loc.contiguous(),
                                          meta.seq_lens.contiguous())
         check_tables(meta, tokens, self.cache_blocks, self.block_size, tables.shape[1])
-        used = {layer.rope for layer in self.layers}
-        if not used <= set(range(len(ropes))):
-            raise ValueError(f"the layers use rotary tables {sorted(used)}, {len(ropes)} given")
+        if len(ropes) < self.rotary_tables:
+            raise ValueError(f"the layers use {self.rotary_tables} rotary tables, {len(ropes)} given")
         tables_cs = [(c.reshape(tokens, -1).contiguous(), sn.reshape(tokens, -1).contiguous()) for c, sn in ropes]
         for c, sn in tables_cs:
             if c.shape != (tokens, s.rotary_dim) or sn.shape != c.shape or c.dtype != torch.float32:

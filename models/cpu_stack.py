@@ -8,9 +8,8 @@ per layer. Others, and engines that keep the torch references, run the modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from localserve.kernels import KVCache, cpu_library
 from localserve.kernels.decoder_cpu import DecoderLayerWeights, DecoderShape, DecoderStack, Projection, takes_cache, \
@@ -18,15 +17,13 @@ from localserve.kernels.decoder_cpu import DecoderLayerWeights, DecoderShape, De
 
 from .layers import ACTIVATIONS, MLP, Linear, RMSNorm
 
-if TYPE_CHECKING:
-    from .llama import DecoderLayer, LlamaForCausalLM
-
 _ACTIVATION_NAMES = {fn: name for name, fn in ACTIVATIONS.items()}
 
 
-def stack_for(model: LlamaForCausalLM, caches: list[KVCache]) -> DecoderStack | None:
-    """The model's layers over these caches as one stack, or None where a layer is one
-    the kernel does not compute (then the modules run)."""
+def stack_for(model: nn.Module, caches: list[KVCache]) -> DecoderStack | None:
+    """A LlamaForCausalLM's layers over these caches as one stack, or None where a layer is
+    one the kernel does not compute (then the modules run). Read by attribute (llama.py
+    calls this; importing it back would tie the two modules in a circle)."""
     if not (model.dtype == torch.float32 and cpu_library.available() and caches
             and len(caches) == len(model.layers) and all(takes_cache(c) for c in caches)):
         return None
@@ -65,7 +62,7 @@ def _plain_norm(norm: RMSNorm | None, eps: float) -> bool:
     return norm is None or (norm.offset == 0 and norm.weight.dtype == torch.float32 and norm.eps == eps)
 
 
-def _layer_weights(layer: DecoderLayer, cache: KVCache) -> DecoderLayerWeights | None:
+def _layer_weights(layer: nn.Module, cache: KVCache) -> DecoderLayerWeights | None:
     attn, mlp = layer.attn, layer.mlp
     eps = layer.input_norm.eps
     norms = (layer.input_norm, layer.pre_mlp_norm, layer.attn_out_norm, layer.mlp_out_norm, attn.q_norm, attn.k_norm)
