@@ -226,8 +226,8 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
   // Where the vector unit has no 8-bit dot product into 32 bits (AVX2), narrow codes' byte
   // pair products (|2 * kMaxCode * 127| per 16-bit lane) are summed in 16 bits for as many
   // steps as cannot overflow, then widened once: exact, and a third fewer instructions.
-  constexpr bool kPairSums = Simd::kPairSums && !Codes::kWide;
-  constexpr bool kCentred = Simd::kPairSums && Codes::kWide;  // AVX2 meets wide codes as u - 128
+  constexpr bool kPairSums = Simd::kNoByteDot && !Codes::kWide;
+  constexpr bool kCentred = Simd::kNoByteDot && Codes::kWide;  // AVX2 meets wide codes as u - 128
   constexpr int kProductsPerWiden = 32767 / (2 * Codes::kMaxCode * 127);
   constexpr int kChunksPerWiden = kProductsPerWiden / kParts > 0 ? kProductsPerWiden / kParts : 1;
   static_assert(!kPairSums || kProductsPerWiden >= kParts, "one chunk's products must fit 16 bits");

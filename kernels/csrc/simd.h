@@ -67,7 +67,7 @@ struct Simd {
   }
   template <bool kWide>
   static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
-  static constexpr bool kPairSums = false;  // dpbusd sums into 32 bits itself
+  static constexpr bool kNoByteDot = false;  // dpbusd sums byte products into 32 bits itself
   static I dot16(I acc, I, int32_t) { return acc; }
   static I widen16(I acc, I) { return acc; }
   static I dot_centred(I acc, I, int32_t) { return acc; }
@@ -119,7 +119,7 @@ struct Simd {
   }
   // Codes below 128: the byte pair products summed in 16-bit lanes (the caller bounds how
   // many), and those sums added into 32-bit lanes.
-  static constexpr bool kPairSums = true;
+  static constexpr bool kNoByteDot = true;  // maddubs: byte pairs into 16 bits, then madd
   static I dot16(I acc16, I w, int32_t x4) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4))); }
   static I widen16(I acc, I acc16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1))); }
   // Wide codes' dot product less 128 * sum(x): sum((u - 128) * x), the shift left to the
@@ -189,7 +189,7 @@ struct Simd {
     }
     return acc;
   }
-  static constexpr bool kPairSums = false;
+  static constexpr bool kNoByteDot = false;
   static I dot16(I acc, I, int32_t) { return acc; }
   static I widen16(I acc, I) { return acc; }
   static I dot_centred(I acc, I, int32_t) { return acc; }
