@@ -105,13 +105,18 @@ def model_path(shape_name: str, ftype: str) -> Path:
     return target
 
 
-def write_random_gguf(path: Path, shape: Shape) -> None:
+def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> None:
     """Random F16 weights (std 1/sqrt(fan_in); embeddings at std 1) and a SentencePiece
     vocabulary of ``shape.vocab`` pieces: <unk>, <s>, </s>, the 256 byte pieces, then
-    single characters."""
+    single characters.
+
+    With ``random_blocks`` the matrices are written straight in Q4_K_M's types instead
+    (random K-quant blocks: Q6_K for the LM head and V, Q4_K for the rest), where no
+    quantizer is at hand (the GPU proof's machine has no llama.cpp); the same speed as a
+    quantized file, with no F16 source."""
     import gguf
 
-    print(f"writing {path.name} (random weights)", flush=True)
+    print(f"writing {path.name} (random weights{', Q4_K_M blocks' if random_blocks else ''})", flush=True)
     rng = np.random.default_rng(0)
     head_dim = shape.head_dim or shape.hidden // shape.heads
     writer = gguf.GGUFWriter(str(path.with_suffix(".partial")), shape.arch)
@@ -154,6 +159,10 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
 
     def add(name: str, rows: int, columns: int, std: float | None = None) -> None:
         scale = std if std is not None else columns ** -0.5
+        if random_blocks:
+            kind = "Q6_K" if name == "output.weight" or name.endswith("attn_v.weight") else "Q4_K"
+            plan.append((name, (rows, columns), kind, lambda: random_k_blocks(rng, kind, rows, columns, scale)))
+            return
         plan.append((name, (rows, columns), np.float16,
                      lambda: (rng.standard_normal((rows, columns), dtype=np.float32) * scale).astype(np.float16)))
 
@@ -189,6 +198,11 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
                          lambda: rng.standard_normal((shape.experts, shape.hidden), dtype=np.float32) * 0.1))
             for name, rows, columns in (("gate", shape.expert_ffn, shape.hidden), ("up", shape.expert_ffn, shape.hidden),
                                         ("down", shape.hidden, shape.expert_ffn)):
+                if random_blocks:
+                    plan.append((f"{b}.ffn_{name}_exps.weight", (shape.experts, rows, columns), "Q4_K",
+                                 lambda rows=rows, columns=columns: random_k_blocks(
+                                     rng, "Q4_K", shape.experts * rows, columns, columns ** -0.5)))
+                    continue
                 plan.append((f"{b}.ffn_{name}_exps.weight", (shape.experts, rows, columns), np.float16,
                              lambda rows=rows, columns=columns: (rng.standard_normal(
                                  (shape.experts, rows, columns), dtype=np.float32) * columns ** -0.5).astype(np.float16)))
@@ -197,6 +211,12 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
             add(f"{b}.ffn_up.weight", shape.ffn, shape.hidden)
             add(f"{b}.ffn_down.weight", shape.hidden, shape.ffn)
     for name, dims, dtype, _ in plan:
+        if isinstance(dtype, str):  # K-quant blocks: the shape in bytes, the type named
+            kind = gguf.GGMLQuantizationType[dtype]
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            byte_dims = (*dims[:-1], dims[-1] // block * size)
+            writer.add_tensor_info(name, byte_dims, np.dtype(np.uint8), int(np.prod(byte_dims)), raw_dtype=kind)
+            continue
         writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -205,6 +225,26 @@ def write_random_gguf(path: Path, shape: Shape) -> None:
         writer.write_tensor_data(make())  # type: ignore[operator]
     writer.close()
     path.with_suffix(".partial").replace(path)
+
+
+def random_k_blocks(rng: np.random.Generator, kind: str, rows: int, columns: int, std: float) -> np.ndarray:
+    """``rows`` x ``columns`` weights as random Q4_K or Q6_K blocks (uint8, one row of blocks
+    per weight row) whose values have about ``std``: random codes and sub-scales, and a
+    super-scale per block chosen for that spread (Q4_K's min offsets the mean to about 0)."""
+    block_bytes = {"Q4_K": 144, "Q6_K": 210}[kind]
+    blocks = np.frombuffer(rng.bytes(rows * columns // 256 * block_bytes), np.uint8).reshape(-1, block_bytes).copy()
+    if kind == "Q4_K":
+        # d * sub-scale * code - dmin * min, sub-scales and mins 0-63, codes 0-15: the spread of
+        # a sub-scale times a code is about 217, its mean 236 (31.5 * 7.5), a min's mean 31.5.
+        d = np.float16(std / 217)
+        blocks[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+        blocks[:, 2:4] = np.frombuffer(np.float16(float(d) * 7.5).tobytes(), np.uint8)
+    else:
+        # d * sub-scale * (code - 32): sub-scales narrowed to -16..15 (spread about 9.2) so d
+        # stays a normal fp16 number; codes 0-63 (spread about 18.5).
+        blocks[:, 192:208] = ((blocks[:, 192:208] & 31).astype(np.int8) - 16).view(np.uint8)
+        blocks[:, 208:210] = np.frombuffer(np.float16(std / (9.2 * 18.5)).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 # llama.cpp refuses to write these mixes without an importance matrix (IQ3_XXS's holds IQ2_S).

@@ -15,6 +15,8 @@ from .conftest import spy_on, triton_or_skip
 # conftest.py sets TRITON_INTERPRET=1 on machines without CUDA, before anything
 # imports triton (the interpreter must be chosen before the first import).
 triton, DEVICE, INTERPRETED = triton_or_skip()
+# The GPU proof (scripts/gpu_proof.sh) runs these on the device: `pytest -m gpu`.
+pytestmark = pytest.mark.gpu
 
 from localserve.kernels import quant_linear as ql  # noqa: E402
 from localserve.kernels import quant_linear_triton  # noqa: E402

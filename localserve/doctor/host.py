@@ -22,6 +22,14 @@ PEAK_BANDWIDTH_GBPS = {
     "RTX 4090": 1008, "RTX 4080": 717, "RTX 3090": 936, "RTX 3080": 760, "RTX A6000": 768, "RTX 6000 Ada": 960,
 }
 
+# Dense fp16 tensor-core peak (TFLOP/s, fp32 accumulate, no sparsity) by a part of the name,
+# from the makers' data sheets: what a prefill GEMM is measured against.
+PEAK_FP16_TFLOPS = {
+    "H200": 989, "H100 SXM": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "A100": 312, "L40S": 362,
+    "L40": 181, "L4": 121, "A10G": 70, "A10": 125, "RTX 4090": 165, "RTX 4080": 97, "RTX 3090": 71,
+    "RTX 3080": 60, "RTX A6000": 155, "RTX 6000 Ada": 364,
+}
+
 
 def host_facts() -> dict[str, str]:
     facts = {
@@ -66,6 +74,15 @@ def peak_bandwidth(index: int = 0) -> float | None:
     for part, gbps in PEAK_BANDWIDTH_GBPS.items():
         if part in props.name:
             return gbps * 1e9
+    return None
+
+
+def peak_fp16_flops(index: int = 0) -> float | None:
+    """The GPU's dense fp16 tensor-core peak in flop/s, from the table of known cards."""
+    name = torch.cuda.get_device_properties(index).name
+    for part, tflops in PEAK_FP16_TFLOPS.items():
+        if part in name:
+            return tflops * 1e12
     return None
 
 
