@@ -17,6 +17,7 @@ import copy
 import os
 import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -51,6 +52,19 @@ class BuildCpuKernels(build_ext):
         super().finalize_options()
         if self.parallel is None:
             self.parallel = os.cpu_count() or 1
+
+    def build_extensions(self) -> None:
+        # The variants build side by side; within each, the sources compile in parallel too
+        # (a GPU machine's 16 cores build in seconds what one core takes minutes for).
+        serial = self.compiler.compile
+
+        def compile_each(sources: list[str], *args, **kwargs) -> list[str]:  # type: ignore[no-untyped-def]
+            with ThreadPoolExecutor(self.parallel) as pool:
+                return [obj for objs in pool.map(lambda source: serial([source], *args, **kwargs), sources)
+                        for obj in objs]
+
+        self.compiler.compile = compile_each
+        super().build_extensions()
 
     def get_ext_filename(self, fullname: str) -> str:
         return os.path.join(*fullname.split(".")) + ".so"

@@ -11,8 +11,8 @@ Runs, each its own server:
   256 tokens in and 128 out: output tokens/s, TTFT and TPOT percentiles, and 64 clients'
   throughput over one client's (the batching target: 10x or more).
 * ``offload``: the same model with its GPU KV pool forced small (1 GiB: 8,192 tokens) and
-  host memory for swapped requests: 64 clients of 512 in / 128 out do not fit, so requests are
-  preempted and their blocks swap out and back; every request must still complete.
+  host memory for swapped requests: 64 clients of 256 in / 64 out (20,480 tokens) do not fit,
+  so requests are preempted and their blocks swap out and back; every request must complete.
 * ``cpu-moe``: Qwen3-30B-A3B's layer (128 experts of width 768, 8 used, hidden 2048) in 4
   layers, with ``--cpu-moe`` (experts in host memory, run on the CPU): 1 and 16 clients.
 
@@ -66,10 +66,11 @@ def plan(dry_run: bool) -> list[Run]:
         return [Run("dense", TINY, (Load(1, 2, 16, 8), Load(4, 8, 16, 8))),
                 Run("cpu-moe", TINY_MOE, (Load(2, 4, 16, 8),), ("--cpu-moe",))]
     return [
+        # One wave of requests per load: each client sends one (one client, two).
         Run("dense", SHAPES["llama-3.1-8b"],
-            (Load(1, 4, 256, 128), Load(16, 32, 256, 128), Load(64, 128, 256, 128), Load(256, 512, 256, 128)),
+            (Load(1, 2, 256, 128), Load(16, 16, 256, 128), Load(64, 64, 256, 128), Load(256, 256, 256, 128)),
             ("--max-num-seqs", "256")),
-        Run("offload", SHAPES["llama-3.1-8b"], (Load(64, 128, 512, 128),),
+        Run("offload", SHAPES["llama-3.1-8b"], (Load(64, 64, 256, 64),),
             ("--max-num-seqs", "64", "--kv-cache-memory", "1GiB", "--cpu-offload-gb", "16")),
         Run("cpu-moe", QWEN3_30B_A3B_LAYERS, (Load(1, 2, 128, 32), Load(16, 32, 128, 32)), ("--cpu-moe",)),
     ]
@@ -114,7 +115,7 @@ def scrape(url: str) -> dict[str, float]:
     return figures
 
 
-def serve_and_bench(run: Run, workdir: Path, device: str, deadline: float) -> dict[str, object]:
+def serve_and_bench(run: Run, workdir: Path, logs: Path, device: str, deadline: float) -> dict[str, object]:
     path = model_file(workdir, run.shape)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -124,7 +125,7 @@ def serve_and_bench(run: Run, workdir: Path, device: str, deadline: float) -> di
     record: dict[str, object] = {"run": run.name, "model": path.name, "serve_args": list(run.serve_args),
                                  "loads": []}
     start = time.perf_counter()
-    with serving(command, url + "/health", os.cpu_count() or 1, workdir / f"{run.name}.log"):
+    with serving(command, url + "/health", os.cpu_count() or 1, logs / f"server-{run.name}.log"):
         record["start_to_ready_s"] = time.perf_counter() - start
         print(f"  {run.name}: ready in {record['start_to_ready_s']:.0f} s", flush=True)
         for load in run.loads:
@@ -132,7 +133,11 @@ def serve_and_bench(run: Run, workdir: Path, device: str, deadline: float) -> di
             if left < 20:
                 record["skipped"] = f"{load.clients} clients and later: the stage's time ran out"
                 break
-            figures = bench(url, path, load, timeout_s=left)
+            try:
+                figures = bench(url, path, load, timeout_s=left)
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:  # recorded; the next load runs
+                figures = {"clients": load.clients, "failed": load.prompts, "error": f"{type(exc).__name__}: "
+                           f"{str(exc)[-400:]}"}
             record["loads"].append(figures)  # type: ignore[union-attr]
             print(f"  {run.name}, {load.clients} clients: {figures.get('output_throughput', 0):.0f} output tok/s, "
                   f"TTFT p50 {figures.get('p50_ttft_ms', float('nan')):.0f} ms, "
@@ -141,7 +146,7 @@ def serve_and_bench(run: Run, workdir: Path, device: str, deadline: float) -> di
         record["metrics"] = scrape(url)
     loads = {entry["clients"]: entry for entry in record["loads"]}  # type: ignore[union-attr]
     record["failed"] = any(entry.get("failed") for entry in loads.values()) or not loads
-    if 1 in loads and 64 in loads and loads[1]["output_throughput"]:
+    if loads.get(1, {}).get("output_throughput") and loads.get(64, {}).get("output_throughput"):
         ratio = loads[64]["output_throughput"] / loads[1]["output_throughput"]
         record["batching_ratio_64_to_1"] = ratio
         record["batching_target_met"] = ratio >= BATCHING_TARGET
@@ -169,7 +174,8 @@ def main() -> None:
             records.append({"run": run.name, "skipped": "the stage's time ran out", "failed": True})
             continue
         try:
-            records.append(serve_and_bench(run, args.workdir, device, deadline))
+            records.append(serve_and_bench(run, args.workdir, args.json.parent if args.json else args.workdir,
+                                           device, deadline))
         except Exception as exc:  # the finding; the next run still goes
             records.append({"run": run.name, "failed": True, "error": f"{type(exc).__name__}: {str(exc)[-800:]}"})
             print(f"  {run.name} failed: {records[-1]['error']}", flush=True)

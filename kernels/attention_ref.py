@@ -25,7 +25,10 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     nearest, ties to even."""
     qmax = KV_QMAX[dtype]
     x = x.float()
-    scale = (x.abs().amax(-1) / qmax).clamp_min(MIN_KV_SCALE)
+    # amax times the fp32 reciprocal of qmax, written out: torch on CUDA turns a division by
+    # a scalar into that product and on the CPU does not, so "/ qmax" would give scales that
+    # differ by an ulp between devices (and from the Triton kernel, which does the same).
+    scale = (x.abs().amax(-1) * (1.0 / qmax)).clamp_min(MIN_KV_SCALE)
     y = (x / scale[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.round(y)

@@ -98,9 +98,12 @@ def _quantize(x, scale_ptrs, head_valid, QMAX: tl.constexpr, ROUND: tl.constexpr
     """Rows of ``x`` (one per head) as codes in fp32, storing each row's scale;
     the same arithmetic as ``attention_ref.quantize_kv``."""
     x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, MIN_SCALE)
+    # The reference's product by the reciprocal (exact in fp32 on any device), and div_rn for
+    # the codes: a GPU's fp32 "/" is approximate (div.full.f32, up to 2 ulp), which moves a
+    # code next to a rounding tie away from the reference's; the interpreter's is exact.
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) * (1.0 / QMAX), MIN_SCALE)
     tl.store(scale_ptrs, scale[:, None], mask=head_valid)
-    y = tl.minimum(tl.maximum(x / scale[:, None], -QMAX), QMAX)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
     if ROUND:
         return _round_half_even(y)
     return _round_to_e4m3(y)
@@ -487,7 +490,8 @@ def _paged_attention_op(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         SOFTCAP=softcap > 0,
         GROUP=group,
         HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        # Heads narrower than 16 (the built-in demo's are 8) still fill a tl.dot operand.
+        DIM_PAD=max(triton.next_power_of_2(head_dim), _MIN_DOT_DIM),
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,

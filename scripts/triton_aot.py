@@ -204,8 +204,10 @@ def _moe(dtype: torch.dtype, kind: str, experts: int, top_k: int, hidden: int, w
 
 def cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     dtypes = [torch.float16] if quick else [torch.float16, torch.bfloat16]
-    # (heads, kv heads, head dim) of Llama-3.2-1B, Qwen2.5-1.5B, Llama-3.1-8B, a head-dim-256 model.
-    shapes = [(32, 8, 64), (12, 2, 128)] if quick else [(32, 8, 64), (12, 2, 128), (32, 8, 128), (16, 8, 256)]
+    # (heads, kv heads, head dim) of the built-in demo (heads of 8: narrower than a tl.dot
+    # operand), Llama-3.2-1B, Qwen2.5-1.5B, Llama-3.1-8B, a head-dim-256 model.
+    shapes = [(8, 4, 8), (32, 8, 64), (12, 2, 128)] if quick else \
+        [(8, 4, 8), (32, 8, 64), (12, 2, 128), (32, 8, 128), (16, 8, 256)]
     caches = ["model", "int8"] if quick else ["model", "int8", "fp8"]
     for dtype in dtypes:
         for heads, kv_heads, head_dim in shapes:
