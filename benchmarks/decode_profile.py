@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens before the timed decode")
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (fp32 here), fp16, bf16 or int8")
     args = parser.parse_args()
     if args.model is None:
         import real_shapes
@@ -80,7 +81,8 @@ def main() -> None:
     bandwidth = measure_bandwidth(args.threads)
     print(f"read bandwidth, {args.threads} threads: {bandwidth / 1e9:.1f} GB/s (best of 7 sums over 512 MiB)")
     blocks = -(-(args.context + args.steps + 32) // 16) + 2
-    llm = LLM(args.model, device="cpu", num_kv_blocks=blocks, threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(args.model, device="cpu", num_kv_blocks=blocks, threads=args.threads, enable_prefix_caching=False,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     model, runner = engine.runner.model, engine.runner
     prompt = torch.randint(260, engine.spec.vocab_size, (args.context,), generator=torch.Generator().manual_seed(3))
@@ -92,7 +94,9 @@ def main() -> None:
     runner.sampler = timer.wrap("sampling", runner.sampler)
     runner.execute = timer.wrap("execute", runner.execute)
     engine.add_request(prompt.tolist(), SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True))
-    engine.step()  # the prompt
+    # The prompt, in as many chunks as max_num_batched_tokens makes of it, and the first token.
+    while not engine.requests[next(iter(engine.requests))].output_token_ids:
+        engine.step()
     steps, stacked = [], {name: 0.0 for name in decoder_cpu.PROFILE_STEPS}
     totals: dict[str, list[float]] = {}
     decoder_cpu.profile(True)
@@ -116,7 +120,8 @@ def main() -> None:
     inside = {name: seconds / count for name, seconds in stacked.items()}
     nbytes = weight_bytes(model)
     spec = engine.spec
-    kv_row = 2 * spec.num_kv_heads * spec.head_dim * 4  # fp32 K and V per position and layer
+    # K and V per position and layer, in the cache's type (an 8-bit cache's scales left out).
+    kv_row = 2 * spec.num_kv_heads * spec.head_dim * llm.engine.kv_dtype.itemsize
     nbytes["attention"] = spec.num_layers * (args.context + args.steps // 2) * kv_row
     rows = [(name, seconds, nbytes.get(name, 0)) for name, seconds in inside.items()]
     layers = sum(inside.values())

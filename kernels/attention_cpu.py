@@ -1,8 +1,8 @@
 """CPU paged attention through the C++ kernel (``csrc/paged_attention.cpp``): every row,
 prefill or decode, reads its sequence's blocks in place, and a row at position p is
 computed exactly as a decode at length p + 1 (the same bits however the prompt was
-chunked and whatever else is in the batch). 8-bit caches and non-fp32 queries take the
-reference."""
+chunked and whatever else is in the batch). The cache may be fp32, fp16 or bf16 (widened
+as it is read); 8-bit caches and non-fp32 queries take the reference."""
 
 from __future__ import annotations
 
@@ -12,14 +12,17 @@ from . import attention_ref, cpu_library
 from .paged_kv import AttentionMetadata
 from .attention_ref import write_kv
 
-__all__ = ["paged_attention", "write_kv"]
+__all__ = ["KV_TYPES", "paged_attention", "write_kv"]
+
+# The cache types the kernel reads (csrc/api.h, ``ls_kv_type``).
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, window: int | None = None, softcap: float = 0.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    if k_scale is not None or not query.dtype == k_cache.dtype == torch.float32:
+    if k_scale is not None or query.dtype != torch.float32 or k_cache.dtype not in KV_TYPES:
         return attention_ref.paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap,
                                              sinks)
     lib = cpu_library.library()
@@ -32,8 +35,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     check_tables(meta, tokens, num_blocks, block_size, tables.shape[1])
     out = torch.empty_like(query)
     sinks = sinks.contiguous() if sinks is not None else None
-    lib.ls_paged_attention(query.data_ptr(), tokens, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
-                           kv_heads, tables.data_ptr(), tables.shape[1], query_start.data_ptr(), seq_lens.data_ptr(),
+    lib.ls_paged_attention(query.data_ptr(), tokens, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                           KV_TYPES[k_cache.dtype], block_size, kv_heads, tables.data_ptr(), tables.shape[1], query_start.data_ptr(), seq_lens.data_ptr(),
                            meta.num_seqs, scale, window or 0, softcap, sinks.data_ptr() if sinks is not None else None,
                            out.data_ptr())
     return out

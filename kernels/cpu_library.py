@@ -63,7 +63,7 @@ class DecoderLayerDesc(ctypes.Structure):
                 ("k_norm", ctypes.c_void_p), ("o", LinearDesc), ("attn_out_norm", ctypes.c_void_p),
                 ("pre_mlp_norm", ctypes.c_void_p), ("gate_up", LinearDesc), ("down", LinearDesc),
                 ("mlp_out_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("scale", ctypes.c_float), ("window", ctypes.c_int64), ("softcap", ctypes.c_float),
+                ("kv_type", ctypes.c_int32), ("scale", ctypes.c_float), ("window", ctypes.c_int64), ("softcap", ctypes.c_float),
                 ("sinks", ctypes.c_void_p), ("rope", ctypes.c_int32), ("activation", ctypes.c_int32),
                 ("residual_scale", ctypes.c_float)]
 
@@ -101,7 +101,7 @@ _SIGNATURES = {
                                  ctypes.POINTER(DecoderBatchDesc), ctypes.c_void_p]),
     "ls_decoder_profile": (None, [ctypes.c_int32, ctypes.c_void_p]),
     "ls_paged_attention": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
                                   ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]),
 }

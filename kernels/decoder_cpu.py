@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_library
-from .attention_cpu import check_tables
+from .attention_cpu import KV_TYPES, check_tables
 from .paged_kv import AttentionMetadata, KVCache
 from .quant_linear_cpu import TiledWeight
 
@@ -76,7 +76,7 @@ def takes_weight(weight: object) -> bool:
 
 
 def takes_cache(cache: KVCache) -> bool:
-    return cache.key_scale is None and cache.key.dtype == torch.float32 and cache.key.device.type == "cpu"
+    return cache.key_scale is None and cache.key.dtype in KV_TYPES and cache.key.device.type == "cpu"
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -125,7 +125,8 @@ class DecoderStack:
         s = self.shape
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
         if not takes_cache(layer.cache) or tuple(layer.cache.key.shape[1:]) != (self.block_size, s.kv_heads, s.head_dim):
-            raise ValueError("the stack takes fp32 caches of one block size, [blocks, block_size, kv_heads, head_dim]")
+            raise ValueError("the stack takes fp32, fp16 or bf16 caches of one block size, "
+                             "[blocks, block_size, kv_heads, head_dim]")
         if layer.activation not in ACTIVATIONS or layer.rope not in (0, 1):
             raise ValueError(f"activation {layer.activation!r} (one of {ACTIVATIONS}) or rotary table {layer.rope} "
                              "(0 or 1) not taken")
@@ -140,7 +141,8 @@ class DecoderStack:
             gate_up=self._projection(layer.gate_up, s.hidden, 2 * s.intermediate, "gate_up"),
             down=self._projection(layer.down, s.intermediate, s.hidden, "down"),
             mlp_out_norm=_address(_vector(layer.mlp_out_norm, s.hidden, "MLP output norm")),
-            k_cache=layer.cache.key.data_ptr(), v_cache=layer.cache.value.data_ptr(), scale=layer.scale,
+            k_cache=layer.cache.key.data_ptr(), v_cache=layer.cache.value.data_ptr(),
+            kv_type=KV_TYPES[layer.cache.key.dtype], scale=layer.scale,
             window=layer.window or 0, softcap=layer.softcap, sinks=_address(_vector(layer.sinks, s.heads, "sinks")),
             rope=layer.rope, activation=ACTIVATIONS.index(layer.activation), residual_scale=layer.residual_scale)
 

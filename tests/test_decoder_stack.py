@@ -99,3 +99,39 @@ def test_a_slot_outside_the_cache_is_refused(tiny_f32) -> None:
     inputs.meta.slot_mapping[2] = 4 * engine.config.block_size  # one past the last slot
     with pytest.raises(ValueError, match="outside the cache"), torch.inference_mode():
         engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16"])
+def test_half_caches_are_written_as_torch_rounds_them(tiny_models, monkeypatch, kv_cache_dtype: str) -> None:
+    """With a 16-bit cache the stack narrows K and V as torch's .to() does, and reads them as
+    the modules do; its logits stay near an fp32 cache's."""
+    path, _ = tiny_models.get("gemma2")  # soft caps and a sliding window read the cache too
+    chunks = [16, 7, 7, 7, 7, 7]
+
+    def run(kv: str, stack: bool) -> tuple[Engine, list]:
+        engine = Engine(path, EngineConfig(num_kv_blocks=32, kv_cache_dtype=kv), device="cpu", dtype=torch.float32)
+        for cache in engine.runner.kv_caches:  # unwritten slots alike in every run
+            cache.key.zero_()
+            cache.value.zero_()
+        with monkeypatch.context() as patch:
+            if not stack:
+                patch.setattr(llama_module, "stack_for", lambda *args: None)
+            logits = all_logits(engine, PROMPTS, chunks)
+        assert isinstance(engine.model._stack[1], DecoderStack) == stack
+        return engine, logits
+
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_cache_dtype]
+    stacked_engine, stacked = run(kv_cache_dtype, stack=True)
+    full_engine, full = run("auto", stack=True)
+    # The first layer's K and V do not depend on the cache's type: the half cache holds the fp32
+    # cache's values rounded by torch, bit for bit (ties to even, in every written slot).
+    ours, fp32 = stacked_engine.runner.kv_caches[0], full_engine.runner.kv_caches[0]
+    assert ours.key.dtype == half
+    assert torch.equal(ours.key.view(torch.int16), fp32.key.to(half).view(torch.int16))
+    assert torch.equal(ours.value.view(torch.int16), fp32.value.to(half).view(torch.int16))
+    _, modules = run(kv_cache_dtype, stack=False)
+    # The glue rounds an ulp differently here and there (see above), which a 16-bit cache
+    # can turn into one step of its own: ~3e-4 here (a wrong conversion or read: O(1)).
+    assert_close(stacked, modules, bound=1e-3)
+    # Against an fp32 cache: fp16 keeps 11 bits of each value, bf16 8 (4.4e-3 and 5.0e-2 here).
+    assert_close(stacked, full, bound={"fp16": 1e-2, "bf16": 1e-1}[kv_cache_dtype])

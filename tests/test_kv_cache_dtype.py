@@ -101,5 +101,5 @@ def test_swapped_and_cached_blocks_keep_their_scales(llama, kv_cache_dtype: str)
 
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
-    with pytest.raises(LocalserveError, match="kv_cache_dtype 'int4' is not one of auto, int8, fp8"):
+    with pytest.raises(LocalserveError, match="kv_cache_dtype 'int4' is not one of auto, fp16, bf16, int8, fp8"):
         EngineConfig(kv_cache_dtype="int4")

@@ -131,8 +131,9 @@ struct ls_decoder_layer {
   ls_linear gate_up;
   ls_linear down;
   const float* mlp_out_norm;
-  float* k_cache;  // [blocks, block_size, kv_heads, head_dim] fp32
-  float* v_cache;
+  void* k_cache;  // [blocks, block_size, kv_heads, head_dim] of kv_type
+  void* v_cache;
+  int32_t kv_type;
   float scale;
   int64_t window;
   float softcap;
@@ -183,14 +184,17 @@ void ls_decoder_profile(int32_t enable, double* seconds);
 // query [tokens, heads, dim] holds each sequence's new rows; row i of sequence b (rows
 // query_start[b]..query_start[b+1]) sits at position seq_lens[b] - query_len + i and
 // attends causally to the cached keys 0..position. Caches [blocks, block_size, kv_heads,
-// dim] fp32, block_tables [batch, max_blocks] int32. Each row is computed exactly as a
+// dim] of kv_type (fp16 and bf16 are widened to fp32 as they are read; the arithmetic is
+// fp32), block_tables [batch, max_blocks] int32. Each row is computed exactly as a
 // decode of its position would be: the same bits however the prompt was chunked. With
 // window > 0 a row sees only the last `window` keys up to its position (sliding window).
 // With softcap > 0 each scaled score s becomes softcap * tanh(s / softcap); sinks (null, or
 // one logit per query head) add a value-less column to every row's softmax.
-void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
-                        const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
-                        int64_t max_blocks, const int32_t* query_start, const int32_t* seq_lens, int64_t batch,
-                        float scale, int64_t window, float softcap, const float* sinks, float* out);
+enum ls_kv_type : int32_t { LS_KV_F32 = 0, LS_KV_F16 = 1, LS_KV_BF16 = 2 };
+void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64_t dim, const void* k_cache,
+                        const void* v_cache, int32_t kv_type, int64_t block_size, int64_t kv_heads,
+                        const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
+                        const int32_t* seq_lens, int64_t batch, float scale, int64_t window, float softcap,
+                        const float* sinks, float* out);
 }
 #pragma GCC visibility pop

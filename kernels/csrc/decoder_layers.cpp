@@ -131,6 +131,17 @@ void residual_team(const ls_decoder_shape& s, const ls_linear& projection, const
   }
 }
 
+// One head's k or v into the cache at element `at`, narrowed to the cache's type as torch's
+// .to() narrows (to nearest, ties to even).
+void store_kv(const float* head, void* cache, int32_t kv_type, int64_t at, int64_t dim) {
+  if (kv_type == LS_KV_F32) {
+    std::copy(head, head + dim, static_cast<float*>(cache) + at);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(cache) + at;
+  for (int64_t d = 0; d < dim; ++d) out[d] = kv_type == LS_KV_F16 ? float_to_half(head[d]) : float_to_bf16(head[d]);
+}
+
 // q/k/v bias, per-head norms and rotary; q heads to b.q, k and v to the cache.
 void heads_team(const ls_decoder_shape& s, const ls_decoder_layer& layer, const ls_decoder_batch& batch,
                 Buffers& b) {
@@ -163,8 +174,8 @@ void heads_team(const ls_decoder_shape& s, const ls_decoder_layer& layer, const 
       rotate(k, row_cos, row_sin, s.rotary_dim);
       const int64_t slot = batch.slot_mapping[r];
       if (slot >= 0) {
-        std::copy(k, k + dim, layer.k_cache + (slot * s.kv_heads + kvh) * dim);
-        std::copy(v, v + dim, layer.v_cache + (slot * s.kv_heads + kvh) * dim);
+        store_kv(k, layer.k_cache, layer.kv_type, (slot * s.kv_heads + kvh) * dim, dim);
+        store_kv(v, layer.v_cache, layer.kv_type, (slot * s.kv_heads + kvh) * dim, dim);
       }
     }
   }
@@ -199,8 +210,8 @@ void layers_team(const ls_decoder_shape& s, const ls_decoder_layer* layers, int6
     clock.mark(LS_STEP_QKV);
     heads_team(s, layer, batch, b);
     clock.mark(LS_STEP_ROTARY_KV);
-    paged_attention_team(b.q.data(), rows, s.heads, s.head_dim, layer.k_cache, layer.v_cache, batch.block_size,
-                         s.kv_heads, batch.block_tables, batch.max_blocks, batch.query_start, batch.seq_lens,
+    paged_attention_team(b.q.data(), rows, s.heads, s.head_dim, layer.k_cache, layer.v_cache, layer.kv_type,
+                         batch.block_size, s.kv_heads, batch.block_tables, batch.max_blocks, batch.query_start, batch.seq_lens,
                          batch.batch, layer.scale, layer.window, layer.softcap, layer.sinks, b.attention.data(),
                          b.attention_scratch);
     clock.mark(LS_STEP_ATTENTION);

@@ -46,6 +46,45 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
+// binary32 -> binary16, rounding to nearest, ties to even, as torch's .to(float16) does
+// (subnormals, overflow to infinity, NaN kept quiet).
+inline uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t magnitude = x & 0x7FFFFFFF;
+  if (magnitude > 0x7F800000) return sign | 0x7E00 | static_cast<uint16_t>((magnitude >> 13) & 0x3FF);  // NaN
+  if (magnitude >= 0x477FF000) return sign | 0x7C00;  // rounds to at least 65520: infinity
+  if (magnitude < 0x38800000) {  // below 2**-14: a subnormal half (or zero)
+    // Add 0.5 (as a float, so the FPU rounds to the 2**-24 grid, ties to even), keep the bits.
+    float shifted;
+    const uint32_t abs_bits = magnitude;
+    std::memcpy(&shifted, &abs_bits, sizeof shifted);
+    shifted += 0.5f;
+    uint32_t bits;
+    std::memcpy(&bits, &shifted, sizeof bits);
+    return sign | static_cast<uint16_t>(bits - 0x3F000000);
+  }
+  const uint32_t odd = (magnitude >> 13) & 1;  // ties go to the even mantissa
+  return sign | static_cast<uint16_t>((magnitude - 0x38000000 + 0xFFF + odd) >> 13);
+}
+
+// bfloat16 is binary32's top half: widening is a shift; narrowing rounds to nearest even
+// (NaN stays a quiet NaN), as torch's .to(bfloat16).
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  if ((x & 0x7FFFFFFF) > 0x7F800000) return static_cast<uint16_t>((x >> 16) | 0x40);
+  return static_cast<uint16_t>((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
 #if defined(LS_AVX512)
 constexpr const char* kVariant = "avx512_vnni";
 struct Simd {
@@ -80,6 +119,10 @@ struct Simd {
   static F set1f(float v) { return _mm512_set1_ps(v); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
   static F load_i8(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F load_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
@@ -139,6 +182,10 @@ struct Simd {
   static F set1f(float v) { return _mm256_set1_ps(v); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
   static F load_i8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F load_u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
@@ -202,6 +249,7 @@ struct Simd {
   static F set1f(float v) { F r; for (auto& e : r.v) e = v; return r; }
   static F zerof() { return set1f(0.0f); }
   static F load_half(const uint16_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = half_to_float(p[l]); return r; }
+  static F load_bf16(const uint16_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = bf16_to_float(p[l]); return r; }
   static F load_i8(const int8_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
   static F load_u8(const uint8_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
   static F loadf(const float* p) { F r; std::memcpy(r.v, p, sizeof r.v); return r; }

@@ -63,10 +63,10 @@ struct AttentionScratch {
   std::vector<int64_t> row_seq, row_pos;
   std::vector<Thread> per_thread;  // by thread number
 };
-void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int64_t dim, const float* k_cache,
-                          const float* v_cache, int64_t block_size, int64_t kv_heads, const int32_t* block_tables,
-                          int64_t max_blocks, const int32_t* query_start, const int32_t* seq_lens, int64_t batch,
-                          float scale, int64_t window, float softcap, const float* sinks, float* out,
-                          AttentionScratch& scratch);
+void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int64_t dim, const void* k_cache,
+                          const void* v_cache, int32_t kv_type, int64_t block_size, int64_t kv_heads,
+                          const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
+                          const int32_t* seq_lens, int64_t batch, float scale, int64_t window, float softcap,
+                          const float* sinks, float* out, AttentionScratch& scratch);
 
 }  // namespace ls

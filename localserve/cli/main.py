@@ -99,7 +99,8 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
         option("--kv-cache-memory", "Size of the device KV cache (e.g. 4GiB); default: measured on CUDA; on "
                "the CPU room for --max-num-seqs sequences of the context, at most 25% of free memory.",
                type=ByteSize()),
-        option("--kv-cache-dtype", "auto is the model's dtype; int8 and fp8 take about half of fp16.",
+        option("--kv-cache-dtype", "auto is the model's dtype (fp32 on the CPU); fp16 and bf16 take half of fp32, "
+               "int8 and fp8 about half of fp16.",
                type=click.Choice(list(KV_CACHE_DTYPES))),
         option("--cpu-offload-gb", "GiB of host memory for swapped requests and spilled prefix blocks.", type=float),
         option("--enable-prefix-caching/--no-enable-prefix-caching", "Share the KV of equal prompt prefixes."),

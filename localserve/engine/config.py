@@ -11,9 +11,12 @@ from ..errors import LocalserveError
 if TYPE_CHECKING:
     import torch
 
-# kv_cache_dtype names: "auto" is the model's dtype; the others make an 8-bit cache.
-# The torch dtype of each choice, by name: the CLI reads this table without importing torch.
-KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+# kv_cache_dtype names: "auto" is the model's dtype; fp16 and bf16 store K/V in half the
+# bytes of an fp32 model's (the CPU's kernels widen them as they read); int8 and fp8 make
+# an 8-bit cache with a scale per token and head. The torch dtype of each choice, by name:
+# the CLI reads this table without importing torch.
+KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn",
+                   "fp8_e4m3": "float8_e4m3fn"}
 
 
 @dataclass(slots=True)
@@ -31,7 +34,7 @@ class EngineConfig:
     cpu_offload_gb: float = 0.0  # GiB of host memory for the CPU tier (swapped requests, spilled prefixes)
     num_cpu_blocks: int | None = None  # exact CPU-tier size; overrides cpu_offload_gb
     enable_prefix_caching: bool = True  # share the KV of equal prompt prefixes across requests
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), int8, or fp8 (e4m3; CUDA needs compute 8.9+)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp16, bf16, int8, or fp8 (e4m3; CUDA needs 8.9+)
     cpu_moe: int | str = 0  # MoE experts kept in host RAM and run on the CPU: of the first N layers, or "all"
     # CPU matmuls with fp32 activations for every quantized weight, instead of rounding x to
     # int8 for GGUF's types as llama.cpp does (slower; for comparing with a dense reference).
