@@ -103,3 +103,31 @@ def test_swapped_and_cached_blocks_keep_their_scales(llama, kv_cache_dtype: str)
 def test_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(LocalserveError, match="kv_cache_dtype 'int4' is not one of auto, fp16, bf16, int8, fp8"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_a_quantized_gguf_on_the_cpu_gets_an_fp16_cache_by_default(tmp_path) -> None:
+    """auto on the CPU: fp16 for a GGUF of quantized weights (llama.cpp's default), fp32 for a
+    dense one and with exact_cpu_matmul; a named dtype wins; fit plans what the engine makes."""
+    gguf = pytest.importorskip("gguf")
+    from localserve.facts.fit import plan
+
+    from .gguf_writers import tiny_llama, write_gguf
+
+    quantized, dense = tmp_path / "q8.gguf", tmp_path / "f32.gguf"
+    model = tiny_llama()
+    write_gguf(quantized, model, gguf.GGMLQuantizationType.Q8_0)
+    write_gguf(dense, model, gguf.GGMLQuantizationType.F32)
+    cases = [(quantized, {}, torch.float16), (dense, {}, torch.float32),
+             (quantized, {"exact_cpu_matmul": True}, torch.float32),
+             (quantized, {"kv_cache_dtype": "bf16"}, torch.bfloat16), (dense, {"kv_cache_dtype": "fp16"}, torch.float16)]
+    for path, options, expected in cases:
+        config = EngineConfig(num_kv_blocks=8, **options)
+        engine = Engine(path, config, device="cpu")
+        assert engine.kv_dtype == expected and engine.runner.kv_caches[0].key.dtype == expected, (path.name, options)
+        assert plan(path, config=config).kv_dtype == expected, (path.name, options)
+    # Half the bytes of an fp32 cache per block.
+    assert kv_bytes_per_block(engine.spec, 16, torch.float16) * 2 == kv_bytes_per_block(engine.spec, 16, torch.float32)
+    # It serves: a greedy reply through the 16-bit cache.
+    [out] = LLM(quantized, device="cpu", num_kv_blocks=8).generate([[1, 5, 9, 13]], SamplingParams(max_tokens=5,
+                                                                                                  ignore_eos=True))
+    assert len(out.token_ids) == 5

@@ -99,8 +99,8 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
         option("--kv-cache-memory", "Size of the device KV cache (e.g. 4GiB); default: measured on CUDA; on "
                "the CPU room for --max-num-seqs sequences of the context, at most 25% of free memory.",
                type=ByteSize()),
-        option("--kv-cache-dtype", "auto is the model's dtype (fp32 on the CPU); fp16 and bf16 take half of fp32, "
-               "int8 and fp8 about half of fp16.",
+        option("--kv-cache-dtype", "auto is the model's dtype (on the CPU fp32, or fp16 for a GGUF of quantized "
+               "weights, as llama.cpp); fp16 and bf16 take half of fp32, int8 and fp8 about half of fp16.",
                type=click.Choice(list(KV_CACHE_DTYPES))),
         option("--cpu-offload-gb", "GiB of host memory for swapped requests and spilled prefix blocks.", type=float),
         option("--enable-prefix-caching/--no-enable-prefix-caching", "Share the KV of equal prompt prefixes."),
@@ -108,7 +108,7 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
                "them on the CPU.", type=LayerCount(), is_flag=False, flag_value="all"),
         option("--threads", "CPU threads for the model's kernels; default: the physical cores.", type=int),
         option("--exact-cpu-matmul/--no-exact-cpu-matmul", "Keep activations in fp32 in every CPU matmul instead "
-               "of rounding them to int8 for GGUF's types as llama.cpp does (slower)."),
+               "of rounding them to int8 for GGUF's types as llama.cpp does, and an auto KV cache in fp32 (slower)."),
         option("--disable-cuda-graphs/--no-disable-cuda-graphs", "On a GPU, run decode steps eagerly instead of "
                "replaying the CUDA graphs captured at load."),
         click.option("--prepared-cache/--no-prepared-cache", "prepared_cache", default=True, show_default=True,

@@ -105,12 +105,19 @@ class EngineConfig:
         """How many leading layers keep their experts in host memory."""
         return num_layers if self.cpu_moe == "all" else min(int(self.cpu_moe), num_layers)
 
-    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype, device: torch.device | None = None,
+                               quantized_gguf: bool = False) -> torch.dtype:
         """The cache's torch dtype for a model computing in ``model_dtype``; with a
-        ``device``, checked to be one it can use."""
+        ``device``, checked to be one it can use. ``auto`` is the model's dtype, except for a
+        GGUF file of quantized weights on the CPU: fp16, llama.cpp's own default there (half the
+        bytes of fp32 for every token of context, read back at every step), unless
+        ``exact_cpu_matmul`` asks for fp32 throughout."""
         import torch
 
         chosen = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        on_cpu = device is not None and torch.device(device).type == "cpu"
+        if chosen is None and quantized_gguf and on_cpu and model_dtype == torch.float32 and not self.exact_cpu_matmul:
+            chosen = "float16"
         dtype = getattr(torch, chosen) if chosen else model_dtype
         # Triton converts to float8 e4m3 only on compute capability 8.9+ (Ada, Hopper).
         if (dtype == torch.float8_e4m3fn and device is not None and device.type == "cuda"

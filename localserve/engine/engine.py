@@ -88,7 +88,7 @@ class Engine:
         if self.device.type == "cpu":
             cpu_library.set_threads(self.config.cpu_threads())
         block_size = self.config.block_size
-        self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device)
+        self.kv_dtype = self.config.resolve_kv_cache_dtype(self.dtype, self.device, checkpoint.quantized_gguf)
         # The context the model is built for: no longer than the pool could ever hold (a
         # checkpoint may declare 2**28 positions; its rotary tables would not fit).
         wanted = context_limit(spec, self.config.max_model_len)

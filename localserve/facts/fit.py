@@ -138,8 +138,9 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
     spec = checkpoint.spec
     model_dtype = pick_dtype(dtype, spec.torch_dtype, torch.device(device))
     weights = weight_sizes(checkpoint, model_dtype)
-    # No device: whether fp8 runs depends on the GPU planned for, not on this host's.
-    kv_dtype = config.resolve_kv_cache_dtype(model_dtype)
+    # No device for a GPU plan: whether fp8 runs depends on the GPU planned for, not on this host's.
+    kv_dtype = config.resolve_kv_cache_dtype(model_dtype, torch.device("cpu") if device == "cpu" else None,
+                                             checkpoint.quantized_gguf)
     context = planned_context(spec, config, device)
     step_tokens = min(config.step_tokens(device), context)
     activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)

@@ -44,6 +44,13 @@ class Checkpoint:
     # Tensors saved from the bare model class, without the ``model.`` prefix (formats/embedding.py).
     bare: bool = False
 
+    @property
+    def quantized_gguf(self) -> bool:
+        """A GGUF file whose matrices are quantized (not F32, F16 or BF16)."""
+        dense = (0, 1, 30)  # ggml's F32, F16, BF16
+        return self.gguf is not None and any(len(info.shape) >= 2 and info.ggml_type not in dense
+                                             for info in self.gguf.tensors.values())
+
     def weights(self) -> Iterator[NamedWeight]:
         """(HF name, weight) for every weight, read from the files as iterated."""
         from .weights import iter_weights  # torch: only when a model is loaded

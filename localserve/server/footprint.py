@@ -47,6 +47,6 @@ def needed_bytes(path: Path, config: ServerConfig) -> int | None:
     engine = config.engine
     dtype = pick_dtype(config.dtype, checkpoint.spec.torch_dtype, torch.device("cpu"))
     weights = weight_sizes(checkpoint, dtype).loaded_bytes
-    kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"))
+    kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"), checkpoint.quantized_gguf)
     pools = pool_sizes(engine, checkpoint.spec, kv_dtype, "cpu", gpu_budget=lambda: 0)
     return weights + pools.total_bytes
