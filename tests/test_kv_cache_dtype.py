@@ -101,7 +101,7 @@ def test_swapped_and_cached_blocks_keep_their_scales(llama, kv_cache_dtype: str)
 
 
 def test_unknown_kv_cache_dtype_is_refused() -> None:
-    with pytest.raises(LocalserveError, match="kv_cache_dtype 'int4' is not one of auto, fp16, bf16, int8, fp8"):
+    with pytest.raises(LocalserveError, match="kv_cache_dtype 'int4' is not one of auto, fp32, fp16, bf16, int8, fp8"):
         EngineConfig(kv_cache_dtype="int4")
 
 
@@ -118,7 +118,7 @@ def test_a_quantized_gguf_on_the_cpu_gets_an_fp16_cache_by_default(tmp_path) -> 
     write_gguf(quantized, model, gguf.GGMLQuantizationType.Q8_0)
     write_gguf(dense, model, gguf.GGMLQuantizationType.F32)
     cases = [(quantized, {}, torch.float16), (dense, {}, torch.float32),
-             (quantized, {"exact_cpu_matmul": True}, torch.float32),
+             (quantized, {"exact_cpu_matmul": True}, torch.float32), (quantized, {"kv_cache_dtype": "fp32"}, torch.float32),
              (quantized, {"kv_cache_dtype": "bf16"}, torch.bfloat16), (dense, {"kv_cache_dtype": "fp16"}, torch.float16)]
     for path, options, expected in cases:
         config = EngineConfig(num_kv_blocks=8, **options)

@@ -11,12 +11,12 @@ from ..errors import LocalserveError
 if TYPE_CHECKING:
     import torch
 
-# kv_cache_dtype names: "auto" is the model's dtype; fp16 and bf16 store K/V in half the
+# kv_cache_dtype names: "auto" is the model's dtype (see resolve_kv_cache_dtype); fp16 and bf16 store K/V in half the
 # bytes of an fp32 model's (the CPU's kernels widen them as they read); int8 and fp8 make
 # an 8-bit cache with a scale per token and head. The torch dtype of each choice, by name:
 # the CLI reads this table without importing torch.
-KV_CACHE_DTYPES = {"auto": None, "fp16": "float16", "bf16": "bfloat16", "int8": "int8", "fp8": "float8_e4m3fn",
-                   "fp8_e4m3": "float8_e4m3fn"}
+KV_CACHE_DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8",
+                   "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 @dataclass(slots=True)
