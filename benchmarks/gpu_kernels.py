@@ -38,16 +38,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_shapes import random_k_blocks  # noqa: E402
+from real_shapes import random_quant_blocks  # noqa: E402
 
+from localserve.doctor.bench import ATTENTION_TARGET, GEMV_BANDWIDTH_TARGET, median_seconds  # noqa: E402
+from localserve.doctor.checks import random_experts, random_quant_weight  # noqa: E402
 from localserve.doctor.host import peak_bandwidth, peak_fp16_flops  # noqa: E402
 from localserve.formats.gguf_quants import gguf_to_weight  # noqa: E402
 from localserve.kernels import AttentionMetadata, KVCache, attention, moe, moe_ref, quant_linear  # noqa: E402
 from localserve.kernels.experts import ExpertMLP, ExpertWeights  # noqa: E402
-from localserve.kernels.quant_weight import QuantWeight, pack_codes  # noqa: E402
-
-GEMV_TARGET = 0.60  # share of the HBM peak, 4-bit weights at batch 1
-ATTENTION_TARGET = 1.2  # times SDPA's time on contiguous KV, fp16 cache
+from localserve.kernels.quant_weight import QuantWeight  # noqa: E402
 
 GGML_TYPE_IDS = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
@@ -91,12 +90,6 @@ DRY = Scale(hidden=256, ffn=512, vocab=1024, heads=4, kv_heads=2, head_dim=64, p
             batches=(1, 4), moe_hidden=256, experts=8, expert_ffn=256, moe_tokens=(1, 4))
 
 
-def cuda_timer(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, return_mode="median")) / 1000
-
-
 def cpu_timer(fn: Callable[[], object]) -> float:
     fn()
     start = time.perf_counter()
@@ -105,23 +98,17 @@ def cpu_timer(fn: Callable[[], object]) -> float:
 
 
 def gguf_weight(kind: str, rows: int, columns: int, device: torch.device, rng: np.random.Generator) -> QuantWeight:
-    std = columns ** -0.5
-    if kind == "Q8_0":  # fp16 scale, then 32 int8 codes, per 32 inputs
-        blocks = np.frombuffer(rng.bytes(rows * columns // 32 * 34), np.uint8).reshape(-1, 34).copy()
-        blocks[:, 0:2] = np.frombuffer(np.float16(std / 74).tobytes(), np.uint8)
-        raw = blocks.reshape(rows, -1)
-    else:
-        raw = random_k_blocks(rng, kind, rows, columns, std)
+    raw = random_quant_blocks(rng, kind, rows, columns, columns ** -0.5)
     weight = gguf_to_weight("w", raw, GGML_TYPE_IDS[kind], (rows, columns))
     assert isinstance(weight, QuantWeight)
     return weight.to(device)
 
 
-def gptq_weight(rows: int, columns: int, device: torch.device) -> QuantWeight:
-    codes = pack_codes(torch.randint(0, 16, (rows, columns), device=device), 4)
-    scales = (torch.rand(rows, columns // 128, device=device) * 0.01).half()
-    zeros = torch.randint(0, 16, (rows, columns // 128), device=device).to(torch.uint8)
-    return QuantWeight(4, 128, codes, scales, zeros=zeros)
+def make_weight(kind: str, rows: int, columns: int, device: torch.device, rng: np.random.Generator) -> QuantWeight:
+    """GPTQ 4-bit in groups of 128 (the doctor's random weight), or random GGUF blocks."""
+    if kind == "GPTQ-4bit":
+        return random_quant_weight(rows, columns, 128, device)
+    return gguf_weight(kind, rows, columns, device, rng)
 
 
 def gemv_rows(scale: Scale, device: torch.device, dtype: torch.dtype, timer: Callable, peak: float | None
@@ -134,7 +121,7 @@ def gemv_rows(scale: Scale, device: torch.device, dtype: torch.dtype, timer: Cal
     rows = []
     for kind in ("GPTQ-4bit", "Q4_K", "Q6_K", "Q8_0"):
         for name, (n, k) in matrices.items():
-            weight = gptq_weight(n, k, device) if kind == "GPTQ-4bit" else gguf_weight(kind, n, k, device, rng)
+            weight = make_weight(kind, n, k, device, rng)
             x = torch.randn(1, k, device=device, dtype=dtype)
             dense = torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5
             ours = timer(lambda: quant_linear.quant_linear(x, weight))
@@ -144,8 +131,8 @@ def gemv_rows(scale: Scale, device: torch.device, dtype: torch.dtype, timer: Cal
             share = moved / ours / peak if peak else None
             rows.append(Row("gemv", f"{kind} {name} {n}x{k}", ours, moved / ours, peak, share, "fp16 F.linear",
                             cublas, dense_moved / cublas / peak if peak else None,
-                            target=f">= {GEMV_TARGET:.0%} of HBM" if four_bit else "",
-                            status=("pass" if share >= GEMV_TARGET else "fail") if four_bit and share else "info"))
+                            target=f">= {GEMV_BANDWIDTH_TARGET:.0%} of HBM" if four_bit else "",
+                            status=("pass" if share >= GEMV_BANDWIDTH_TARGET else "fail") if four_bit and share else "info"))
             del weight, dense
     return rows
 
@@ -159,8 +146,7 @@ def gemm_rows(scale: Scale, device: torch.device, dtype: torch.dtype, timer: Cal
     flops = 2 * scale.prefill * n * k
     rows = []
     for kind in ("GPTQ-4bit", "Q4_K"):
-        weight = gptq_weight(n, k, device) if kind == "GPTQ-4bit" else gguf_weight(kind, n, k, device,
-                                                                                 np.random.default_rng(1))
+        weight = make_weight(kind, n, k, device, np.random.default_rng(1))
         ours = timer(lambda: quant_linear.quant_linear(x, weight))
         rows.append(Row("gemm", f"{kind} gate_up, {scale.prefill} tokens", ours, flops / ours, peak,
                         flops / ours / peak if peak else None, "fp16 F.linear (cuBLAS)", cublas,
@@ -219,15 +205,12 @@ def moe_rows(scale: Scale, device: torch.device, dtype: torch.dtype, timer: Call
     rng = np.random.default_rng(2)
     e, h, w = scale.experts, scale.moe_hidden, scale.expert_ffn
 
-    def stack(kind: str, out_features: int, in_features: int) -> ExpertWeights:
-        if kind == "fp16":
-            return ExpertWeights(torch.randn(e, out_features, in_features, device=device, dtype=dtype)
-                                 * in_features ** -0.5, e)
-        return ExpertWeights(gguf_weight(kind, e * out_features, in_features, device, rng), e)
+    def q4_k(out_features: int, in_features: int) -> ExpertWeights:
+        return ExpertWeights(gguf_weight("Q4_K", e * out_features, in_features, device, rng), e)
 
     rows = []
     for kind in ("Q4_K", "fp16"):
-        experts = ExpertMLP([stack(kind, 2 * w, h)], stack(kind, h, w))
+        experts = ExpertMLP([q4_k(2 * w, h)], q4_k(h, w)) if kind == "Q4_K" else random_experts(e, h, w, device, dtype)
         expert_bytes = sum(part.weight.nbytes for part in (*experts.gate_up, experts.down)) / e
         for tokens in scale.moe_tokens:
             x = torch.randn(tokens, h, device=device, dtype=dtype)
@@ -247,7 +230,7 @@ def run(dry_run: bool) -> dict[str, object]:
     cuda = torch.cuda.is_available() and not dry_run
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.float16 if cuda else torch.float32
-    timer = cuda_timer if cuda else cpu_timer
+    timer = median_seconds if cuda else cpu_timer
     scale = FULL if cuda else DRY
     bandwidth = peak_bandwidth(0) if cuda else None
     flops = peak_fp16_flops(0) if cuda else None

@@ -161,7 +161,7 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
         scale = std if std is not None else columns ** -0.5
         if random_blocks:
             kind = "Q6_K" if name == "output.weight" or name.endswith("attn_v.weight") else "Q4_K"
-            plan.append((name, (rows, columns), kind, lambda: random_k_blocks(rng, kind, rows, columns, scale)))
+            plan.append((name, (rows, columns), kind, lambda: random_quant_blocks(rng, kind, rows, columns, scale)))
             return
         plan.append((name, (rows, columns), np.float16,
                      lambda: (rng.standard_normal((rows, columns), dtype=np.float32) * scale).astype(np.float16)))
@@ -200,7 +200,7 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
                                         ("down", shape.hidden, shape.expert_ffn)):
                 if random_blocks:
                     plan.append((f"{b}.ffn_{name}_exps.weight", (shape.experts, rows, columns), "Q4_K",
-                                 lambda rows=rows, columns=columns: random_k_blocks(
+                                 lambda rows=rows, columns=columns: random_quant_blocks(
                                      rng, "Q4_K", shape.experts * rows, columns, columns ** -0.5)))
                     continue
                 plan.append((f"{b}.ffn_{name}_exps.weight", (shape.experts, rows, columns), np.float16,
@@ -227,23 +227,26 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
     path.with_suffix(".partial").replace(path)
 
 
-def random_k_blocks(rng: np.random.Generator, kind: str, rows: int, columns: int, std: float) -> np.ndarray:
-    """``rows`` x ``columns`` weights as random Q4_K or Q6_K blocks (uint8, one row of blocks
-    per weight row) whose values have about ``std``: random codes and sub-scales, and a
-    super-scale per block chosen for that spread (Q4_K's min offsets the mean to about 0)."""
-    block_bytes = {"Q4_K": 144, "Q6_K": 210}[kind]
-    blocks = np.frombuffer(rng.bytes(rows * columns // 256 * block_bytes), np.uint8).reshape(-1, block_bytes).copy()
+def random_quant_blocks(rng: np.random.Generator, kind: str, rows: int, columns: int, std: float) -> np.ndarray:
+    """``rows`` x ``columns`` weights as random Q4_K, Q6_K or Q8_0 blocks (uint8, one row of
+    blocks per weight row) whose values have about ``std``: random codes and sub-scales, and a
+    scale per block chosen for that spread (Q4_K's min offsets the mean to about 0)."""
+    block_elements, block_bytes = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34)}[kind]
+    blocks = np.frombuffer(rng.bytes(rows * columns // block_elements * block_bytes), np.uint8)
+    blocks = blocks.reshape(-1, block_bytes).copy()
     if kind == "Q4_K":
         # d * sub-scale * code - dmin * min, sub-scales and mins 0-63, codes 0-15: the spread of
         # a sub-scale times a code is about 217, its mean 236 (31.5 * 7.5), a min's mean 31.5.
         d = np.float16(std / 217)
         blocks[:, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
         blocks[:, 2:4] = np.frombuffer(np.float16(float(d) * 7.5).tobytes(), np.uint8)
-    else:
+    elif kind == "Q6_K":
         # d * sub-scale * (code - 32): sub-scales narrowed to -16..15 (spread about 9.2) so d
         # stays a normal fp16 number; codes 0-63 (spread about 18.5).
         blocks[:, 192:208] = ((blocks[:, 192:208] & 31).astype(np.int8) - 16).view(np.uint8)
         blocks[:, 208:210] = np.frombuffer(np.float16(std / (9.2 * 18.5)).tobytes(), np.uint8)
+    else:  # Q8_0: d * code, codes -128..127 (spread about 74)
+        blocks[:, 0:2] = np.frombuffer(np.float16(std / 74).tobytes(), np.uint8)
     return blocks.reshape(rows, -1)
 
 

@@ -96,6 +96,10 @@ class StageFailed(Exception):
     pass
 
 
+class Skip(Exception):
+    pass
+
+
 # -- stages ------------------------------------------------------------------------------------
 
 def install(proof: Proof, stage: Stage) -> None:
@@ -245,10 +249,6 @@ def serving(proof: Proof, stage: Stage) -> None:
     stage.detail = "; ".join(parts)
     if done.returncode:
         raise StageFailed(stage.detail)
-
-
-class Skip(Exception):
-    pass
 
 
 STAGES: dict[str, tuple[Callable[[Proof, Stage], None], float]] = {

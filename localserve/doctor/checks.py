@@ -45,8 +45,8 @@ def kernel_checks(report: Report, device: torch.device) -> None:
                    relative_error=error, first_call_seconds=seconds)
 
 
-def _generator() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
+def _generator(device: torch.device | str = "cpu") -> torch.Generator:
+    return torch.Generator(device).manual_seed(0)
 
 
 def _attention(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,20 +87,21 @@ def _attention(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) 
 def random_quant_weight(out_features: int, in_features: int, group: int, device: torch.device,
                         two_level: bool = False) -> QuantWeight:
     """A 4-bit QuantWeight of random codes: zero points and fp16 scales per group, or
-    GGUF K-quant style integer sub-scales and mins under fp16 super-scales."""
-    g = _generator()
+    GGUF K-quant style integer sub-scales and mins under fp16 super-scales. Drawn on the
+    device: an 8B model's LM head would take gigabytes of int64 codes on the host."""
+    g, on = _generator(device), {"device": device}
     groups = in_features // group
-    codes = pack_codes(torch.randint(0, 16, (out_features, in_features), generator=g), 4)
+    codes = pack_codes(torch.randint(0, 16, (out_features, in_features), generator=g, **on), 4)
     if not two_level:
-        scales = (torch.rand(out_features, groups, generator=g) * 0.02).half()
-        zeros = torch.randint(0, 16, (out_features, groups), generator=g).to(torch.uint8)
-        return QuantWeight(4, group, codes.to(device), scales.to(device), zeros=zeros.to(device))
+        scales = (torch.rand(out_features, groups, generator=g, **on) * 0.02).half()
+        zeros = torch.randint(0, 16, (out_features, groups), generator=g, **on).to(torch.uint8)
+        return QuantWeight(4, group, codes, scales, zeros=zeros)
     per_super = 256 // group
-    sub = torch.randint(0, 64, (out_features, groups), generator=g).to(torch.uint8)
-    mins = torch.randint(0, 64, (out_features, groups), generator=g).to(torch.uint8)
-    supers = (torch.rand(out_features, groups // per_super, generator=g) * 1e-3).half()
-    return QuantWeight(4, group, codes.to(device), sub.to(device), mins=mins.to(device),
-                       super_scales=supers.to(device), super_mins=(supers / 4).to(device), groups_per_super=per_super)
+    sub = torch.randint(0, 64, (out_features, groups), generator=g, **on).to(torch.uint8)
+    mins = torch.randint(0, 64, (out_features, groups), generator=g, **on).to(torch.uint8)
+    supers = (torch.rand(out_features, groups // per_super, generator=g, **on) * 1e-3).half()
+    return QuantWeight(4, group, codes, sub, mins=mins, super_scales=supers, super_mins=supers / 4,
+                       groups_per_super=per_super)
 
 
 def _linear(device: torch.device, dtype: torch.dtype, rows: int, group: int,
@@ -112,11 +113,11 @@ def _linear(device: torch.device, dtype: torch.dtype, rows: int, group: int,
 
 def random_experts(num_experts: int, hidden: int, intermediate: int, device: torch.device,
                    dtype: torch.dtype) -> ExpertMLP:
-    g = _generator()
+    g = _generator(device)
 
     def stack(out_features: int, in_features: int) -> ExpertWeights:
-        weight = torch.randn(num_experts, out_features, in_features, generator=g) * in_features ** -0.5
-        return ExpertWeights(weight.to(device, dtype), num_experts)
+        weight = torch.randn(num_experts, out_features, in_features, generator=g, device=device) * in_features ** -0.5
+        return ExpertWeights(weight.to(dtype), num_experts)
 
     return ExpertMLP([stack(2 * intermediate, hidden)], stack(hidden, intermediate))
 
