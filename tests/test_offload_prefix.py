@@ -6,8 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from localserve import Engine, EngineConfig
+from localserve.server.metrics import EngineCollector
 
 from .conftest import random_prompt
 from .test_engine import MAX_TOKENS, PROMPTS, greedy, run_engine
@@ -88,6 +91,23 @@ def test_random_aborts_leak_nothing(llama) -> None:
     assert stats.swap_out_blocks > 0 and stats.num_recomputes > 0 and stats.prefix_cache_hits > 0
     assert saw_swapped_abort
     assert_no_leaks(engine)
+    assert metrics_of(stats) == {
+        "localserve_num_preemptions_total": stats.num_preemptions,
+        "localserve_num_recomputes_total": stats.num_recomputes,
+        "localserve_kv_blocks_swapped_out_total": stats.swap_out_blocks,
+        "localserve_kv_blocks_swapped_in_total": stats.swap_in_blocks,
+    }
+
+
+def metrics_of(stats) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The preemption and swap counters /metrics exposes for these statistics, as prometheus_client
+    parses them."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: {"m": stats}))
+    wanted = ("localserve_num_preemptions_total", "localserve_num_recomputes_total",
+              "localserve_kv_blocks_swapped_out_total", "localserve_kv_blocks_swapped_in_total")
+    return {sample.name: sample.value for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for sample in family.samples if sample.name in wanted}
 
 
 def run_one(engine: Engine, prompt: list[int], max_tokens: int = 12) -> list[int]:

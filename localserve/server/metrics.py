@@ -35,6 +35,10 @@ _COUNTERS = [
     ("num_prompt_tokens_total", "prompt_tokens", "Prompt tokens computed (cached prefixes excluded)"),
     ("num_generated_tokens_total", "generation_tokens", "Tokens generated"),
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks"),
+    ("num_recomputes", "num_recomputes", "Preempted requests whose KV cache was freed, to be recomputed "
+     "(the others swapped to the CPU tier)"),
+    ("swap_out_blocks", "kv_blocks_swapped_out", "KV cache blocks copied from the device to the CPU tier"),
+    ("swap_in_blocks", "kv_blocks_swapped_in", "KV cache blocks copied from the CPU tier back to the device"),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
 ]
