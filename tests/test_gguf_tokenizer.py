@@ -250,7 +250,11 @@ def test_llama3_defaults() -> None:
         ({"tokenizer.ggml.merges": ["Ġ nosuchtoken"]}, "not in the vocabulary"),
         ({"tokenizer.ggml.bos_token_id": "50256"}, "bos_token_id"),
         ({"tokenizer.ggml.token_type": [1, 2]}, "token_type"),
-        ({"tokenizer.ggml.tokens": ["a", "b", "a"]}, "appears twice"),
+        ({"tokenizer.ggml.tokens": ["a", "b", "a"]}, r"'a' appears twice \(ids 0 and 2\)"),
+        ({"tokenizer.ggml.tokens": ["a", 7, "b"]}, "not a list of strings"),
+        ({"tokenizer.ggml.tokens": ["a", True]}, "not a list of strings"),
+        ({"tokenizer.ggml.token_type": [1, 2.5, *[1] * 50255]}, "one integer per token"),
+        ({"tokenizer.ggml.token_type": [1, False, *[1] * 50255]}, "one integer per token"),
         ({"tokenizer.ggml.bos_token_id": None, "tokenizer.ggml.add_bos_token": True}, "token id is missing"),
     ],
 )

@@ -99,14 +99,17 @@ def _read_vocab(metadata: Mapping[str, Any]) -> _Vocab:
     if not _is_list_of(tokens, str) or not tokens:
         raise LocalserveError("GGUF metadata: tokenizer.ggml.tokens is missing or not a list of strings")
     # llama.cpp renames empty tokens so that every token has a distinct, non-empty text.
-    tokens = [token or f"[EMPTY_{index}]" for index, token in enumerate(tokens)]
-    ids: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        if token in ids:
-            raise LocalserveError(
-                f"GGUF metadata: token {token!r} appears twice (ids {ids[token]} and {index})"
-            )
-        ids[token] = index
+    if "" in tokens:
+        tokens = [token or f"[EMPTY_{index}]" for index, token in enumerate(tokens)]
+    ids = dict(zip(tokens, range(len(tokens))))
+    if len(ids) != len(tokens):  # a repeated token: find the first, to name it
+        seen: dict[str, int] = {}
+        for index, token in enumerate(tokens):
+            if token in seen:
+                raise LocalserveError(
+                    f"GGUF metadata: token {token!r} appears twice (ids {seen[token]} and {index})"
+                )
+            seen[token] = index
     types = metadata.get("tokenizer.ggml.token_type")
     if types is None:
         types = [_NORMAL] * len(tokens)
@@ -263,4 +266,5 @@ def _token_id(metadata: Mapping[str, Any], key: str, default: int | None, vocab:
 def _is_list_of(value: Any, kinds: type | tuple[type, ...]) -> bool:
     if not isinstance(value, (list, tuple)):
         return False
-    return all(isinstance(item, kinds) and not isinstance(item, bool) for item in value)
+    # The distinct types first: one pass in C over a 128k-entry vocabulary, not 128k isinstance calls.
+    return all(issubclass(kind, kinds) and not issubclass(kind, bool) for kind in set(map(type, value)))
