@@ -49,13 +49,22 @@ class Timer:
 
 
 def weight_bytes(model: Any) -> dict[str, int]:
-    """Bytes of weights each stack step and the LM head read per decode step."""
-    totals = {"qkv": 0, "o_proj": 0, "gate_up": 0, "down": 0}
+    """Bytes of weights each stack step and the LM head read per decode step (one token: a
+    mixture of experts reads its router and top_k of its experts)."""
+    from localserve.kernels.decoder_cpu import PROFILE_STEPS
+    from localserve.models.moe import SparseMoE
+
+    experts_step = PROFILE_STEPS[-1]
+    totals = {"qkv": 0, "o_proj": 0, "gate_up": 0, "down": 0, experts_step: 0}
     for layer in model.layers:
         totals["qkv"] += layer.attn.qkv.nbytes
         totals["o_proj"] += layer.attn.o_proj.nbytes
-        totals["gate_up"] += layer.mlp.gate_up.nbytes
-        totals["down"] += layer.mlp.down.nbytes
+        if isinstance(layer.mlp, SparseMoE):
+            experts = layer.mlp.experts.mlp
+            totals[experts_step] += layer.mlp.router.nbytes + experts.nbytes * layer.mlp.top_k // experts.num_experts
+        else:
+            totals["gate_up"] += layer.mlp.gate_up.nbytes
+            totals["down"] += layer.mlp.down.nbytes
     totals["LM head"] = model.lm_head.nbytes
     return totals
 

@@ -56,6 +56,14 @@ class LinearDesc(ctypes.Structure):
                 ("n", ctypes.c_int64 * 4), ("bias", ctypes.c_void_p)]
 
 
+class MoeDesc(ctypes.Structure):
+    """``ls_moe``."""
+
+    _fields_ = [("router", LinearDesc), ("experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+                ("intermediate", ctypes.c_int64), ("renormalize", ctypes.c_int32), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p)]
+
+
 class DecoderLayerDesc(ctypes.Structure):
     """``ls_decoder_layer``."""
 
@@ -65,7 +73,7 @@ class DecoderLayerDesc(ctypes.Structure):
                 ("mlp_out_norm", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("kv_type", ctypes.c_int32), ("scale", ctypes.c_float), ("window", ctypes.c_int64), ("softcap", ctypes.c_float),
                 ("sinks", ctypes.c_void_p), ("rope", ctypes.c_int32), ("activation", ctypes.c_int32),
-                ("residual_scale", ctypes.c_float)]
+                ("residual_scale", ctypes.c_float), ("moe", ctypes.POINTER(MoeDesc))]
 
 
 class DecoderShapeDesc(ctypes.Structure):

@@ -1,4 +1,4 @@
-"""A stack of dense decoder layers as one C++ call on the CPU (``csrc/decoder_layers.cpp``).
+"""A stack of decoder layers (dense MLPs or mixtures of experts) as one C++ call on the CPU (``csrc/decoder_layers.cpp``).
 
 The model describes its layers once (``DecoderLayerWeights``: the tensors and settings of
 each, as plain data); ``DecoderStack`` lays them out as the kernel's descriptors and runs
@@ -16,6 +16,7 @@ import torch
 
 from . import cpu_library
 from .attention_cpu import KV_TYPES, check_tables
+from .experts import ExpertWeights
 from .paged_kv import AttentionMetadata, KVCache
 from .quant_linear_cpu import TiledWeight
 
@@ -29,6 +30,21 @@ class Projection:
 
     weights: list[TiledWeight | torch.Tensor]
     bias: torch.Tensor | None = None
+
+
+MAX_TOP_K = 64  # the kernel's kMaxTopK
+
+
+@dataclass(slots=True)
+class MoEWeights:
+    """A mixture of experts in a layer's MLP's place (csrc/api.h, ``ls_moe``): the router,
+    and every expert's gate_up and down as tiled stacks (experts.py)."""
+
+    router: Projection
+    gate_up: ExpertWeights
+    down: ExpertWeights
+    top_k: int
+    renormalize: bool
 
 
 @dataclass(slots=True)
@@ -54,6 +70,7 @@ class DecoderLayerWeights:
     rope: int  # which rotary table
     activation: str
     residual_scale: float
+    moe: MoEWeights | None = None  # then gate_up and down are not used
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +118,7 @@ class DecoderStack:
         self.block_size = layers[0].cache.key.shape[1]
         self._shape = cpu_library.DecoderShapeDesc(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
                                                    shape.rotary_dim, shape.intermediate, shape.eps)
+        self._moe_descs: list[cpu_library.MoeDesc] = []  # what the layers' descriptors point to
         self._table = (cpu_library.DecoderLayerDesc * len(layers))(*[self._describe(layer) for layer in layers])
         self.rotary_tables = 1 + max(layer.rope for layer in layers)  # how many a step must pass
 
@@ -121,6 +139,24 @@ class DecoderStack:
         desc.bias = _address(_vector(projection.bias, n, f"{what} bias"))
         return desc
 
+    def _moe(self, moe: MoEWeights) -> ctypes._Pointer:
+        s = self.shape
+        experts, inter = moe.down.num_experts, moe.down.in_features
+        stacks = (moe.gate_up, moe.down)
+        if not all(isinstance(w.weight, TiledWeight) for w in stacks) or moe.gate_up.num_experts != experts:
+            raise ValueError("the stack takes experts as tiled stacks of one expert count")
+        if (moe.gate_up.out_features, moe.gate_up.in_features, moe.down.out_features) != (2 * inter, s.hidden, s.hidden):
+            raise ValueError(f"experts' gate_up [{moe.gate_up.out_features}, {moe.gate_up.in_features}] and down "
+                             f"[{moe.down.out_features}, {inter}] do not fit hidden {s.hidden}")
+        if not 1 <= moe.top_k <= min(experts, MAX_TOP_K):
+            raise ValueError(f"top_k {moe.top_k} must be 1 to {min(experts, MAX_TOP_K)}")
+        desc = cpu_library.MoeDesc(
+            router=self._projection(moe.router, s.hidden, experts, "router"), experts=experts, top_k=moe.top_k,
+            intermediate=inter, renormalize=int(moe.renormalize),
+            gate_up=ctypes.cast(moe.gate_up.table(), ctypes.c_void_p), down=ctypes.cast(moe.down.table(), ctypes.c_void_p))
+        self._moe_descs.append(desc)
+        return ctypes.pointer(desc)
+
     def _describe(self, layer: DecoderLayerWeights) -> cpu_library.DecoderLayerDesc:
         s = self.shape
         q_size, kv_size = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -130,6 +166,11 @@ class DecoderStack:
         if layer.activation not in ACTIVATIONS or layer.rope not in (0, 1):
             raise ValueError(f"activation {layer.activation!r} (one of {ACTIVATIONS}) or rotary table {layer.rope} "
                              "(0 or 1) not taken")
+        if layer.moe is None:
+            mlp = (self._projection(layer.gate_up, s.hidden, 2 * s.intermediate, "gate_up"),
+                   self._projection(layer.down, s.intermediate, s.hidden, "down"))
+        else:
+            mlp = (cpu_library.LinearDesc(), cpu_library.LinearDesc())
         return cpu_library.DecoderLayerDesc(
             input_norm=_address(_vector(layer.input_norm, s.hidden, "input norm")),
             qkv=self._projection(layer.qkv, s.hidden, q_size + 2 * kv_size, "qkv"),
@@ -138,8 +179,7 @@ class DecoderStack:
             o=self._projection(layer.o, q_size, s.hidden, "o_proj"),
             attn_out_norm=_address(_vector(layer.attn_out_norm, s.hidden, "attention output norm")),
             pre_mlp_norm=_address(_vector(layer.pre_mlp_norm, s.hidden, "pre-MLP norm")),
-            gate_up=self._projection(layer.gate_up, s.hidden, 2 * s.intermediate, "gate_up"),
-            down=self._projection(layer.down, s.intermediate, s.hidden, "down"),
+            gate_up=mlp[0], down=mlp[1], moe=None if layer.moe is None else self._moe(layer.moe),
             mlp_out_norm=_address(_vector(layer.mlp_out_norm, s.hidden, "MLP output norm")),
             k_cache=layer.cache.key.data_ptr(), v_cache=layer.cache.value.data_ptr(),
             kv_type=KV_TYPES[layer.cache.key.dtype], scale=layer.scale,
@@ -184,7 +224,7 @@ class DecoderStack:
 
 # The kernel's step kinds (``ls_decoder_step``), in order.
 PROFILE_STEPS = ("qkv", "rotary and KV write", "attention", "o_proj", "gate_up", "down",
-                 "norms, residuals, activation")
+                 "norms, residuals, activation", "experts (router to weighted sum)")
 
 
 def profile(enable: bool) -> dict[str, float]:

@@ -87,14 +87,18 @@ class ExpertWeights:
             self._views = views if perms is None else [replace(v, perm=perms[i]) for i, v in enumerate(views)]  # type: ignore[type-var]
         return self._views[e]
 
+    def table(self) -> ctypes.Array:
+        """A tiled stack's experts as the C++ kernels' table of weight descriptors (made once)."""
+        if not isinstance(self.weight, TiledWeight):
+            raise TypeError("only tiled stacks (for_int8_kernel) have a kernel table")
+        if self._table is None:
+            self._table = quant_linear_cpu.weight_table([self.expert(e) for e in range(self.num_experts)])  # type: ignore[misc]
+        return self._table
+
     def grouped_linear(self, x: torch.Tensor, ids: list[int], counts: list[int]) -> torch.Tensor:
         """Rows of ``x`` grouped by expert (``counts[i]`` rows for expert ``ids[i]``, one
         group after another) through their experts in one call: tiled stacks only."""
-        if not isinstance(self.weight, TiledWeight):
-            raise TypeError("grouped_linear runs tiled stacks (for_int8_kernel)")
-        if self._table is None:
-            self._table = quant_linear_cpu.weight_table([self.expert(e) for e in range(self.num_experts)])  # type: ignore[misc]
-        return quant_linear_cpu.grouped_int8_linear(x, self._table, ids, counts, self.out_features)
+        return quant_linear_cpu.grouped_int8_linear(x, self.table(), ids, counts, self.out_features)
 
     def to(self, device: torch.device, dtype: torch.dtype | None = None) -> ExpertWeights:
         if isinstance(self.weight, TiledWeight):

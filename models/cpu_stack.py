@@ -1,9 +1,11 @@
 """The decoder layers of a CPU model as one C++ call (kernels/decoder_cpu.py).
 
-A model whose every layer the stack kernel can compute (dense MLP; tiled or fp32 dense
-weights; fp32 caches; per-head q/k norms or none; no q/k/v clipping) runs its layers
-through it: a step is then one call instead of some twenty torch ops and ctypes calls
-per layer. Others, and engines that keep the torch references, run the modules.
+A model whose every layer the stack kernel can compute (a dense MLP, or a mixture of
+SwiGLU experts tiled for the int8 kernel without biases or a shared expert; tiled or fp32
+dense weights; fp32, fp16 or bf16 caches; per-head q/k norms or none; no q/k/v clipping)
+runs its layers through it: a step is then one call instead of some twenty torch ops and
+ctypes calls per layer (a mixture of experts': some forty). Others, and engines that keep
+the torch references, run the modules.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import torch
 from torch import nn
 
 from localserve.kernels import KVCache, cpu_library
-from localserve.kernels.decoder_cpu import DecoderLayerWeights, DecoderShape, DecoderStack, Projection, takes_cache, \
-    takes_weight
+from localserve.kernels.decoder_cpu import MAX_TOP_K, DecoderLayerWeights, DecoderShape, DecoderStack, MoEWeights, \
+    Projection, takes_cache, takes_weight
+from localserve.kernels.experts import SWIGLU
 
 from .layers import ACTIVATIONS, MLP, Linear, RMSNorm
+from .moe import SparseMoE
 
 _ACTIVATION_NAMES = {fn: name for name, fn in ACTIVATIONS.items()}
 
@@ -33,17 +37,17 @@ def stack_for(model: nn.Module, caches: list[KVCache]) -> DecoderStack | None:
     rotary_dim = model.rotary.rotary_dim
     if rotary_dim % 2 or (model.local_rotary is not None and model.local_rotary.rotary_dim != rotary_dim):
         return None
-    first_mlp = model.layers[0].mlp
-    if not isinstance(first_mlp, MLP):
-        return None
+    dense = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MLP)]
     layers = []
     for layer, cache in zip(model.layers, caches):
         weights = _layer_weights(layer, cache)
         if weights is None:
             return None
         layers.append(weights)
+    if len({mlp.intermediate_size for mlp in dense}) > 1:
+        return None
     shape = DecoderShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, rotary_dim,
-                         first_mlp.intermediate_size, spec.rms_norm_eps)
+                         dense[0].intermediate_size if dense else 0, spec.rms_norm_eps)
     return DecoderStack(shape, layers)
 
 
@@ -62,24 +66,44 @@ def _plain_norm(norm: RMSNorm | None, eps: float) -> bool:
     return norm is None or (norm.offset == 0 and norm.weight.dtype == torch.float32 and norm.eps == eps)
 
 
+def _moe_weights(moe: SparseMoE) -> MoEWeights | None:
+    """The experts as the kernel takes them: SwiGLU experts tiled for the int8 kernel, gate
+    and up fused, no biases; no shared expert."""
+    experts = moe.experts.mlp
+    router = _projection(moe.router)
+    if (experts is None or router is None or moe.shared_expert is not None or not experts.tiled
+            or experts.gate_up_bias is not None or experts.down_bias is not None or experts.activation != SWIGLU
+            or not 1 <= moe.top_k <= min(experts.num_experts, MAX_TOP_K)):
+        return None
+    return MoEWeights(router, experts.gate_up[0], experts.down, moe.top_k, moe.renormalize)
+
+
 def _layer_weights(layer: nn.Module, cache: KVCache) -> DecoderLayerWeights | None:
     attn, mlp = layer.attn, layer.mlp
     eps = layer.input_norm.eps
     norms = (layer.input_norm, layer.pre_mlp_norm, layer.attn_out_norm, layer.mlp_out_norm, attn.q_norm, attn.k_norm)
-    if not isinstance(mlp, MLP) or attn.clip_qkv is not None or attn.qk_norm_whole:
-        return None
-    if not all(_plain_norm(n, eps) for n in norms) or mlp.act not in _ACTIVATION_NAMES:
+    if attn.clip_qkv is not None or attn.qk_norm_whole or not all(_plain_norm(n, eps) for n in norms):
         return None
     if (attn.q_norm is not None and attn.q_norm.weight.shape != (attn.head_dim,)):
         return None
-    projections = [_projection(p) for p in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)]
-    if any(p is None for p in projections):
+    qkv, o = _projection(attn.qkv), _projection(attn.o_proj)
+    if qkv is None or o is None:
         return None
-    qkv, o, gate_up, down = projections
-    assert qkv is not None and o is not None and gate_up is not None and down is not None
+    if isinstance(mlp, SparseMoE):
+        moe = _moe_weights(mlp)
+        if moe is None:
+            return None
+        gate_up, down, activation = Projection([]), Projection([]), "silu"
+    elif isinstance(mlp, MLP) and mlp.act in _ACTIVATION_NAMES:
+        moe, activation = None, _ACTIVATION_NAMES[mlp.act]
+        gate_up, down = _projection(mlp.gate_up), _projection(mlp.down)  # type: ignore[assignment]
+        if gate_up is None or down is None:
+            return None
+    else:
+        return None
     return DecoderLayerWeights(
         input_norm=layer.input_norm.weight.data, qkv=qkv, q_norm=_norm(attn.q_norm), k_norm=_norm(attn.k_norm), o=o,
         attn_out_norm=_norm(layer.attn_out_norm), pre_mlp_norm=layer.pre_mlp_norm.weight.data, gate_up=gate_up,
         down=down, mlp_out_norm=_norm(layer.mlp_out_norm), cache=cache, scale=attn.scale, window=attn.window,
-        softcap=attn.softcap, sinks=attn.sinks, rope=attn.rope_index, activation=_ACTIVATION_NAMES[mlp.act],
-        residual_scale=layer.residual_scale)
+        softcap=attn.softcap, sinks=attn.sinks, rope=attn.rope_index, activation=activation,
+        residual_scale=layer.residual_scale, moe=moe)

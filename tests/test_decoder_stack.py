@@ -80,11 +80,36 @@ def test_quantized_layers_match_the_modules(tmp_path, tiny_f32, monkeypatch, fty
     assert_close(stacked, modules, bound=2e-2)
 
 
-def test_what_the_stack_does_not_take_runs_the_modules(tiny_models, tiny_f32) -> None:
+def quantized_moe(tmp_path, kind: str, ftype: str) -> Engine:
+    from .gguf_writers import tiny_moe
+    from .test_gguf_models import llama_cpp_quantize
+
+    source = tmp_path / f"{kind}-f32.gguf"
+    write_gguf(source, tiny_moe(kind), Q.F32)
+    path = tmp_path / f"{kind}-{ftype}.gguf"
+    llama_cpp_quantize(source, path, ftype)
+    return Engine(path, EngineConfig(num_kv_blocks=32), device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_mixtures_of_experts_match_the_modules(tmp_path, monkeypatch, kind: str, ftype: str) -> None:
+    """Experts tiled for the int8 kernel run inside the stack: routing (softmax, top-k,
+    Qwen3's renormalized gates), the chosen experts grouped, their outputs weighted and summed."""
+    stacked, modules = stack_and_module_logits(quantized_moe(tmp_path, kind, ftype), monkeypatch)
+    # As for the dense layers, plus the router: its logits are ~4 apart (4x scale), so an ulp
+    # does not change which experts a token takes.
+    assert_close(stacked, modules, bound=2e-2)
+
+
+def test_what_the_stack_does_not_take_runs_the_modules(tmp_path, tiny_models, tiny_f32) -> None:
     path, _ = tiny_models.get("mixtral")
     moe = Engine(path, EngineConfig(num_kv_blocks=32), device="cpu", dtype=torch.float32)
     all_logits(moe, PROMPTS[:1])
-    assert moe.model._stack is not None and moe.model._stack[1] is None
+    assert moe.model._stack is not None and moe.model._stack[1] is None  # fp32 experts, not tiled
+    shared_expert = quantized_moe(tmp_path, "qwen2_moe", "Q8_0")
+    all_logits(shared_expert, PROMPTS[:1])
+    assert shared_expert.model._stack is not None and shared_expert.model._stack[1] is None
     int8_cache = Engine(tiny_f32, EngineConfig(num_kv_blocks=32, kv_cache_dtype="int8"), device="cpu",
                         dtype=torch.float32)
     all_logits(int8_cache, PROMPTS[:1])

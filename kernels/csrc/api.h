@@ -115,11 +115,27 @@ struct ls_linear {
   const float* bias;
 };
 
+// A mixture of experts in a layer's MLP's place (Mixtral, Qwen3-MoE, OLMoE): logits =
+// router(h); per row a softmax over all experts in fp32, the top_k largest (the lower expert
+// first among equals), rescaled to sum to 1 when renormalize; then each chosen expert's
+// SwiGLU MLP, down_e(silu(gate_e(h)) * up_e(h)), and the row's output the sum in fp32 of
+// gate times output over its experts in the order of their ids (as the torch path's
+// index_add over pairs sorted by expert). Experts are tiled weights, one per expert:
+// gate_up[e] [2 * intermediate, hidden] (gate rows, then up rows), down[e] [hidden, intermediate].
+struct ls_moe {
+  ls_linear router;  // [experts, hidden]
+  int64_t experts, top_k, intermediate;
+  int32_t renormalize;
+  const ls_tiled_weight* const* gate_up;
+  const ls_tiled_weight* const* down;
+};
+
 // One pre-norm decoder layer of the Llama family (RMS norms with fp32 gains, any offset
 // folded in; null norms are absent):
 //   h = norm(x); q, k, v = qkv(h); per-head norms of q and k; rotary on q and k; k and v
 //   written to the cache; a = attention(q); x += residual_scale * attn_out_norm(o(a));
 //   h = pre_mlp_norm(x); gate, up = gate_up(h); x += residual_scale * mlp_out_norm(down(act(gate) * up))
+// or, with moe set, x += residual_scale * mlp_out_norm(moe(h)) (gate_up and down unused).
 struct ls_decoder_layer {
   const float* input_norm;
   ls_linear qkv;
@@ -141,8 +157,10 @@ struct ls_decoder_layer {
   int32_t rope;        // which of the batch's rotary tables
   int32_t activation;  // 0: SiLU, 1: GELU with the tanh approximation
   float residual_scale;
+  const ls_moe* moe;   // null: the dense MLP
 };
 
+// intermediate: the dense MLPs' width (0 when every layer is a mixture of experts).
 struct ls_decoder_shape {
   int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
   float eps;
@@ -175,7 +193,7 @@ void ls_decoder_layers(const ls_decoder_shape* shape, const ls_decoder_layer* la
 // clears them, then turns profiling on or off.
 enum ls_decoder_step : int32_t {
   LS_STEP_QKV = 0, LS_STEP_ROTARY_KV, LS_STEP_ATTENTION, LS_STEP_O, LS_STEP_GATE_UP, LS_STEP_DOWN, LS_STEP_GLUE,
-  LS_DECODER_STEPS
+  LS_STEP_EXPERTS, LS_DECODER_STEPS
 };
 void ls_decoder_profile(int32_t enable, double* seconds);
 

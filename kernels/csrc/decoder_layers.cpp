@@ -42,10 +42,21 @@ struct StepClock {
   }
 };
 
+constexpr int64_t kMaxTopK = 64;  // experts a row may choose (the caller checks)
+
+// A mixture of experts' step: each row's chosen experts and gates, the (row, choice) pairs
+// grouped by expert, and the matmul jobs of the chosen experts.
+struct MoeScratch {
+  std::vector<float> logits, gates, rows, expert_out;
+  std::vector<int64_t> experts, order, position, counts, start;
+  std::vector<MatmulJob> gate_up_jobs, down_jobs;
+};
+
 struct Buffers {
   std::vector<float> h, qkv, q, attention, projected, gate_up, activated;
   Int8Scratch int8;
   AttentionScratch attention_scratch;
+  MoeScratch moe;
 };
 
 // sum(x^2) in one fixed order: lanes, then the lanes' fixed reduction, then the tail.
@@ -197,6 +208,91 @@ void mlp_activation_team(const ls_decoder_shape& s, const ls_decoder_layer& laye
   }
 }
 
+// A row's top_k experts and gates from its router logits (see ls_moe in api.h); the logits
+// become the probabilities in place, and the chosen ones are then marked taken.
+void route_row(float* probs, int64_t experts, int64_t top_k, bool renormalize, int64_t* chosen, float* gates) {
+  float most = probs[0];
+  for (int64_t e = 1; e < experts; ++e) most = std::max(most, probs[e]);
+  float total = 0.0f;
+  for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(probs[e] - most);
+  for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
+  float kept = 0.0f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < experts; ++e)
+      if (probs[e] >= 0.0f && (best < 0 || probs[e] > probs[best])) best = e;
+    chosen[j] = best;
+    gates[j] = probs[best];
+    kept += probs[best];
+    probs[best] = -1.0f;  // taken
+  }
+  if (renormalize)
+    for (int64_t j = 0; j < top_k; ++j) gates[j] /= kept;
+}
+
+// b.projected [rows, hidden] = the mixture's output for b.h's rows: the experts a step chose
+// run once each over their rows, every chosen expert of a projection in one int8 matmul.
+void moe_team(const ls_decoder_shape& s, const ls_moe& moe, int64_t rows, Buffers& b) {
+  MoeScratch& m = b.moe;
+  const int64_t hidden = s.hidden, experts = moe.experts, top_k = moe.top_k, inter = moe.intermediate;
+  const int64_t pairs = rows * top_k;
+  linear_team(moe.router, b.h.data(), rows, hidden, m.logits.data(), b);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    route_row(m.logits.data() + r * experts, experts, top_k, moe.renormalize != 0, m.experts.data() + r * top_k,
+              m.gates.data() + r * top_k);
+#pragma omp single
+  {
+    // A counting sort of the pairs by expert, stable in (row, choice) order.
+    std::fill(m.counts.begin(), m.counts.end(), 0);
+    for (int64_t p = 0; p < pairs; ++p) ++m.counts[m.experts[p]];
+    int64_t at = 0;
+    m.gate_up_jobs.clear();
+    m.down_jobs.clear();
+    for (int64_t e = 0; e < experts; ++e) {
+      m.start[e] = at;
+      if (m.counts[e] > 0) {
+        m.gate_up_jobs.push_back({moe.gate_up[e], at, m.counts[e], {b.gate_up.data() + at * 2 * inter, 2 * inter}});
+        m.down_jobs.push_back({moe.down[e], at, m.counts[e], {m.expert_out.data() + at * hidden, hidden}});
+      }
+      at += m.counts[e];
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t position = m.start[m.experts[p]]++;
+      m.order[position] = p;
+      m.position[p] = position;
+    }
+  }
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float* row = b.h.data() + (m.order[i] / top_k) * hidden;
+    std::copy(row, row + hidden, m.rows.data() + i * hidden);
+  }
+  int8_matmul_team(m.gate_up_jobs.data(), static_cast<int64_t>(m.gate_up_jobs.size()), m.rows.data(), pairs, b.int8);
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float* gate = b.gate_up.data() + i * 2 * inter;
+    float* out = b.activated.data() + i * inter;
+    for (int64_t c = 0; c < inter; ++c) out[c] = activate(gate[c], 0) * gate[inter + c];
+  }
+  int8_matmul_team(m.down_jobs.data(), static_cast<int64_t>(m.down_jobs.size()), b.activated.data(), pairs, b.int8);
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    // This row's pairs in grouped order: by expert id, as the torch path sums them.
+    int64_t positions[kMaxTopK];
+    for (int64_t j = 0; j < top_k; ++j) positions[j] = m.position[r * top_k + j];
+    std::sort(positions, positions + top_k);
+    float* out = b.projected.data() + r * hidden;
+    std::fill(out, out + hidden, 0.0f);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t i = positions[j];
+      const float gate = m.gates[m.order[i]];
+      const float* y = m.expert_out.data() + i * hidden;
+      for (int64_t c = 0; c < hidden; ++c) out[c] += y[c] * gate;
+    }
+  }
+}
+
 void layers_team(const ls_decoder_shape& s, const ls_decoder_layer* layers, int64_t count,
                  const ls_decoder_batch& batch, float* x, Buffers& b) {
   const int64_t rows = batch.tokens, hidden = s.hidden;
@@ -219,14 +315,21 @@ void layers_team(const ls_decoder_shape& s, const ls_decoder_layer* layers, int6
     clock.mark(LS_STEP_O);
     residual_team(s, layer.o, layer.attn_out_norm, layer.residual_scale, layer.pre_mlp_norm, rows, x, b);
     clock.mark(LS_STEP_GLUE);
-    linear_team(layer.gate_up, b.h.data(), rows, hidden, b.gate_up.data(), b);
-    clock.mark(LS_STEP_GATE_UP);
-    mlp_activation_team(s, layer, rows, b);
-    clock.mark(LS_STEP_GLUE);
-    linear_team(layer.down, b.activated.data(), rows, s.intermediate, b.projected.data(), b);
-    clock.mark(LS_STEP_DOWN);
+    static const ls_linear kNoBias = {};
+    if (layer.moe != nullptr) {
+      moe_team(s, *layer.moe, rows, b);
+      clock.mark(LS_STEP_EXPERTS);
+    } else {
+      linear_team(layer.gate_up, b.h.data(), rows, hidden, b.gate_up.data(), b);
+      clock.mark(LS_STEP_GATE_UP);
+      mlp_activation_team(s, layer, rows, b);
+      clock.mark(LS_STEP_GLUE);
+      linear_team(layer.down, b.activated.data(), rows, s.intermediate, b.projected.data(), b);
+      clock.mark(LS_STEP_DOWN);
+    }
     const float* next_norm = i + 1 < count ? layers[i + 1].input_norm : nullptr;
-    residual_team(s, layer.down, layer.mlp_out_norm, layer.residual_scale, next_norm, rows, x, b);
+    residual_team(s, layer.moe != nullptr ? kNoBias : layer.down, layer.mlp_out_norm, layer.residual_scale, next_norm,
+                  rows, x, b);
     clock.mark(LS_STEP_GLUE);
   }
 }
@@ -252,8 +355,31 @@ extern "C" void ls_decoder_layers(const ls_decoder_shape* shape, const ls_decode
   b.q.resize(rows * q_size);
   b.attention.resize(rows * q_size);
   b.projected.resize(rows * s.hidden);
-  b.gate_up.resize(rows * 2 * s.intermediate);
-  b.activated.resize(rows * s.intermediate);
+  // The MLP buffers serve the dense layers' rows and the experts' (row, choice) pairs alike.
+  int64_t mlp_rows_x_width = rows * s.intermediate, experts = 0, pairs = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const ls_moe* moe = layers[i].moe;
+    if (moe == nullptr) continue;
+    mlp_rows_x_width = std::max(mlp_rows_x_width, rows * moe->top_k * moe->intermediate);
+    experts = std::max(experts, moe->experts);
+    pairs = std::max(pairs, rows * moe->top_k);
+  }
+  b.gate_up.resize(2 * mlp_rows_x_width);
+  b.activated.resize(mlp_rows_x_width);
+  if (pairs > 0) {
+    ls::MoeScratch& m = b.moe;
+    m.logits.resize(rows * experts);
+    m.gates.resize(pairs);
+    m.rows.resize(pairs * s.hidden);
+    m.expert_out.resize(pairs * s.hidden);
+    m.experts.resize(pairs);
+    m.order.resize(pairs);
+    m.position.resize(pairs);
+    m.counts.resize(experts);
+    m.start.resize(experts);
+    m.gate_up_jobs.reserve(experts);
+    m.down_jobs.reserve(experts);
+  }
 #pragma omp parallel num_threads(ls::threads())
   ls::layers_team(s, layers, count, *batch, x, b);
 }
