@@ -4,7 +4,7 @@ concurrent streaming clients) and through the offline API, in one run.
     python benchmarks/server_overhead.py [--clients 32] [--prompt-len 128] [--output-len 128]
 
 The model is a random-weight Llama (hidden 768, 12 layers) with stories260K's
-tokenizer (from ../shared, so streamed text is real text). EOS is ignored, so both
+tokenizer (from tests/data, so streamed text is real text). EOS is ignored, so both
 sides generate exactly clients x output-len tokens. The server runs as its own
 process, as it would in use; the clients (httpx, one asyncio loop) parse every SSE
 event. Prints output tokens/s for both and the share HTTP costs.
@@ -26,7 +26,7 @@ import torch
 from random_model import save_random_llama
 from servers import free_port, serving
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K-hf"
+STORIES = Path(__file__).resolve().parents[1] / "tests" / "data" / "models" / "stories260K-hf"
 
 
 def build_checkpoint(path: Path) -> None:

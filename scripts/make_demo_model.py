@@ -3,7 +3,7 @@ stories260K GGUF (karpathy/tinyllamas, MIT): the same tensors and metadata, plus
 template of our own and a name and licence. Run once by a maintainer; the output is
 committed (the one model file the project carries):
 
-    python scripts/make_demo_model.py ../shared/models/stories260K.gguf
+    python scripts/make_demo_model.py tests/data/models/stories260K.gguf
 """
 
 from __future__ import annotations

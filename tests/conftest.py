@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     # must be chosen before triton is first imported (transformers imports it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-STORIES_HF = SHARED / "models" / "stories260K-hf"
+DATA = Path(__file__).resolve().parent / "data"
+STORIES_HF = DATA / "models" / "stories260K-hf"
 
 VOCAB = 256
 _BASE = dict(

@@ -11,11 +11,11 @@ import torch
 
 from localserve.registry.builtin import DEMO
 
-from .conftest import SHARED, reinitialise
+from .conftest import DATA, reinitialise
 
-STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
+STORIES_GGUF = DATA / "models" / "stories260K.gguf"
 # The vocabulary every tiny file carries: stories260K's, read from the demo model the package
-# ships (the same 512 pieces, scores and types as ../shared's copy), so no test that writes a
+# ships (the same 512 pieces, scores and types as tests/data's copy), so no test that writes a
 # GGUF file needs anything beside the repository.
 VOCAB_GGUF = DEMO.path
 HF_TO_GGUF = {

@@ -1,4 +1,4 @@
-"""Writers of GPTQ and AWQ tensors, following ../shared/FORMATS.md with numpy only.
+"""Writers of GPTQ and AWQ tensors, following the format facts (GPTQ and AWQ as their packers write them) with numpy only.
 
 Each writer starts from known integer codes, zero points and scales, so the dense
 weight it returns (``scales * (q - zeros)`` in fp32) is an independent reference for

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
 
 
 def stories_with_template(root: Path, template: str = CHAT_TEMPLATE, name: str = "stories") -> Path:
-    """stories260K-hf copied from ../shared (1.2 MB; a folder of links out of itself is
+    """stories260K-hf copied from tests/data (1.2 MB; a folder of links out of itself is
     refused by pull) with a chat template added."""
     folder = root / name
     folder.mkdir()
@@ -85,10 +85,6 @@ def running_server(config: ServerConfig, wait_ready: bool = True, **app_options:
 def stories_client(root: Path, template: str = CHAT_TEMPLATE, **config_fields: object) -> Iterator[openai.OpenAI]:
     """The openai SDK (strict response validation) against a server of stories260K with
     ``template`` as its chat template; ``config_fields``: further ServerConfig fields."""
-    import pytest
-
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     path = stories_with_template(root, template)
     config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu",
                           **config_fields)  # type: ignore[arg-type]

@@ -15,7 +15,6 @@ import pytest
 
 from localserve.server.config import ServerConfig
 
-from .conftest import STORIES_HF
 from .server_util import running_server, small_engine_config, stories_with_template
 from .test_tool_calls import HERMES_STYLE
 
@@ -23,8 +22,6 @@ agents = pytest.importorskip("agents")
 
 
 def test_an_agent_calls_our_tool_and_answers(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)

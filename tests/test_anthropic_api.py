@@ -22,7 +22,6 @@ from localserve.server.anthropic_api import object_so_far
 from localserve.server.anthropic_protocol import MessagesRequest
 from localserve.server.config import ServerConfig
 
-from .conftest import STORIES_HF
 from .server_util import RunningServer, running_server, small_engine_config, stories_with_template
 from .test_reasoning import STEER, THINKING_TEMPLATE
 from .test_tool_calls import HERMES_STYLE, SCHEMAS, TOOLS
@@ -37,8 +36,6 @@ WEATHER_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(
 
 @contextmanager
 def serve(root, template: str, **config_fields: object) -> Iterator[RunningServer]:  # type: ignore[no-untyped-def]
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     config = ServerConfig(models={"stories": stories_with_template(root, template)}, preload=["stories"],
                           engine=small_engine_config(), device="cpu", **config_fields)  # type: ignore[arg-type]
     with running_server(config) as server:

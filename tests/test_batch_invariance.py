@@ -14,7 +14,7 @@ import torch
 from localserve import LLM, SamplingParams
 from localserve.kernels import cpu_library
 
-from .conftest import SHARED, random_prompt
+from .conftest import DATA, random_prompt
 from .gguf_writers import tiny_llama, write_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="the CPU kernels were not built")
@@ -76,7 +76,7 @@ def test_llama_cpp_k_quants(tmp_path, tiny, ftype: str) -> None:  # type: ignore
 
 @pytest.mark.parametrize("name", ["tiny-gptq-4bit-g32-actorder", "tiny-awq-4bit-g64"])
 def test_gptq_and_awq(name: str) -> None:
-    path = SHARED / "models" / name
+    path = DATA / "models" / name
     if not path.is_dir():
         pytest.skip(f"{path} not present")
     import json

@@ -22,9 +22,9 @@ from localserve.bench.metrics import peak_concurrency
 from localserve.bench.tokenizer import load_tokenizer
 from localserve.cli.main import main
 
-from .conftest import SHARED, STORIES_HF
+from .conftest import DATA, STORIES_HF
 
-STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
+STORIES_GGUF = DATA / "models" / "stories260K.gguf"
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -146,8 +146,6 @@ def test_infinite_rate_sends_at_once_and_the_cap_holds() -> None:
 
 @pytest.fixture(scope="module", params=["gguf", "hf"])
 def tokenizer(request):  # type: ignore[no-untyped-def]
-    if not (STORIES_HF.is_dir() and STORIES_GGUF.is_file()):
-        pytest.skip("../shared/models/stories260K* not present")
     return load_tokenizer(str(STORIES_GGUF if request.param == "gguf" else STORIES_HF))
 
 
@@ -298,8 +296,6 @@ class _PeakGuard:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):  # type: ignore[no-untyped-def]
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     from localserve.server.config import ServerConfig
 
     from .server_util import running_server, small_engine_config, stories_with_template
@@ -405,8 +401,6 @@ API_KEY = "bench-key"
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):  # type: ignore[no-untyped-def]
     """A daemon serving `stories` from a path (no registry entry) behind an API key."""
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     from localserve.server.config import ServerConfig
 
     from .server_util import running_server, small_engine_config, stories_with_template

@@ -373,12 +373,9 @@ def test_both_backends_tell_thinking_from_the_answer(tmp_path) -> None:  # type:
     from localserve.client import DaemonClient, Thinking
     from localserve.server.config import ServerConfig
 
-    from .conftest import STORIES_HF
     from .server_util import running_server, small_engine_config, stories_with_template
     from .test_reasoning import THINKING_TEMPLATE
 
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     path = stories_with_template(tmp_path, THINKING_TEMPLATE)
     local = LocalBackend(Engine(path, EngineConfig(num_kv_blocks=64), device="cpu"))
     pieces = list(local.chat([user("Hi")], ChatSettings(temperature=0, max_tokens=12)))

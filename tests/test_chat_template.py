@@ -14,10 +14,11 @@ import pytest
 from localserve.text.chat_template import ChatTemplate
 from localserve.errors import LocalserveError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-TEMPLATES = SHARED / "templates"
-PHI3_DIR = SHARED / "tokenizers" / "phi-3-mini-hf"
-MISTRAL_DIR = SHARED / "tokenizers" / "mistral-v0.3-hf"
+from .conftest import DATA
+
+TEMPLATES = DATA / "templates"
+PHI3_DIR = DATA / "tokenizers" / "phi-3-mini-hf"
+MISTRAL_DIR = DATA / "tokenizers" / "mistral-v0.3-hf"
 
 GEMMA = "google-gemma-2-2b-it.jinja"
 PHI35 = "microsoft-Phi-3.5-mini-instruct.jinja"

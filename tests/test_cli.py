@@ -17,7 +17,6 @@ def test_version_and_help() -> None:
     assert result.exit_code == 0 and "run" in result.output
 
 
-@pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 def test_run_streams_greedy_text() -> None:
     result = CliRunner().invoke(main, ["run", str(STORIES_HF), "Once upon a time", "--max-tokens", "12", "--device", "cpu"])
     assert result.exit_code == 0, result.output
@@ -30,7 +29,6 @@ def test_run_reports_bad_model_cleanly(tmp_path) -> None:
     assert result.exit_code != 0 and "not supported" in result.output and "Traceback" not in result.output
 
 
-@pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 def test_run_takes_engine_options() -> None:
     args = ["run", str(STORIES_HF), "Once upon a time", "--max-tokens", "12", "--device", "cpu",
             "--kv-cache-dtype", "int8", "--kv-cache-memory", "8MiB", "--cpu-offload-gb", "0.01",

@@ -18,10 +18,10 @@ from localserve.registry import open_registry
 from localserve.registry.local import import_local
 from localserve.server.config import ServerConfig
 
-from .conftest import SHARED, STORIES_HF
+from .conftest import DATA, STORIES_HF
 from .server_util import CHAT_TEMPLATE, running_server, small_engine_config, stories_with_template
 
-STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
+STORIES_GGUF = DATA / "models" / "stories260K.gguf"
 STORY = ", there was a little girl"
 NO_DAEMON = "http://127.0.0.1:9"  # the discard port: nothing answers
 

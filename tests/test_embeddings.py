@@ -20,7 +20,6 @@ from localserve.formats import open_checkpoint
 from .conftest import STORIES_HF, reinitialise
 from .gguf_writers import write_gguf
 
-pytestmark = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 
 TEXTS = ["Once upon a time", "a little girl named Lily who loved to play outside in the park with her friends",
          "x", "Once upon a time there was a dog"]

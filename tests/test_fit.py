@@ -18,7 +18,7 @@ from localserve import EngineConfig
 from localserve.cli.main import main
 from localserve.facts.fit import plan
 
-from .conftest import SHARED
+from .conftest import DATA
 
 GiB = 1 << 30
 
@@ -277,9 +277,7 @@ def test_fit_cli_prints_the_plan(tmp_path: Path) -> None:
 def test_planned_weights_equal_what_the_engine_holds(name: str, tolerance: float) -> None:
     from localserve import Engine
 
-    path = SHARED / "models" / name
-    if not path.exists():
-        pytest.skip(f"../shared/models/{name} not present")
+    path = DATA / "models" / name
     engine = Engine(path, EngineConfig(num_kv_blocks=4), device="cpu", dtype="bfloat16")
     held = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + sum(
         linear.nbytes for linear in engine.model.linears())

@@ -13,6 +13,8 @@ import pytest
 from localserve.errors import LocalserveError
 from localserve.formats.gguf_file import GGML_TYPES, GGUFFile, read_gguf
 
+from .conftest import DATA
+
 try:
     import gguf
     from gguf import GGMLQuantizationType as QT
@@ -26,9 +28,8 @@ except ImportError:
 
 needs_gguf = pytest.mark.skipif(gguf is None, reason="gguf-py (the reference reader/writer) is not installed")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-STORIES = SHARED / "models" / "stories260K.gguf"
-VOCABS = sorted((SHARED / "tokenizers").glob("ggml-vocab-*.gguf"))
+STORIES = DATA / "models" / "stories260K.gguf"
+VOCABS = sorted((DATA / "tokenizers").glob("ggml-vocab-*.gguf"))
 
 # GGUF metadata value type ids
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)

@@ -8,7 +8,6 @@ the special-token handling that the vectors do not exercise.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,9 +17,11 @@ from localserve.errors import LocalserveError
 from localserve.text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from localserve.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
+from .conftest import DATA
+
 gguf = pytest.importorskip("gguf")
 
-TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
+TOKENIZERS = DATA / "tokenizers"
 VOCABS = ["llama-spm", "phi-3", "gpt-2"]
 SEPARATOR = "\n__ggml_vocab_test__\n"
 

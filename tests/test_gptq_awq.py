@@ -1,5 +1,5 @@
 """GPTQ and AWQ checkpoints: written by the tests from the format facts, and the
-reference checkpoints in ../shared."""
+reference checkpoints in tests/data."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from localserve import LLM, Engine, EngineConfig, LocalserveError, SamplingParam
 from localserve.formats import open_checkpoint
 from localserve.kernels.quant_weight import QuantWeight, dequantize_in_input_order
 
-from .conftest import SHARED, hf_logits, random_prompt, reinitialise, relative_error
+from .conftest import DATA, hf_logits, random_prompt, reinitialise, relative_error
 from .quant_writers import awq_layer, gptq_layer, numpy_unpack_gptq
 from .test_models import all_logits
 
@@ -108,7 +108,7 @@ def test_four_bit_weights_stay_about_file_size(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["tiny-gptq-4bit-g32-actorder", "tiny-awq-4bit-g64"])
 def test_shared_reference_checkpoints(name: str) -> None:
-    path = SHARED / "models" / name
+    path = DATA / "models" / name
     if not path.is_dir():
         pytest.skip(f"{path} not present")
     expected = json.loads((path / "expected.json").read_text())
@@ -125,7 +125,7 @@ def test_shared_reference_checkpoints(name: str) -> None:
 
 
 def test_shared_gptq_unpacks_like_numpy() -> None:
-    path = SHARED / "models" / "tiny-gptq-4bit-g32-actorder"
+    path = DATA / "models" / "tiny-gptq-4bit-g32-actorder"
     if not path.is_dir():
         pytest.skip(f"{path} not present")
     from safetensors.numpy import load_file

@@ -14,7 +14,6 @@ from .test_engine import MAX_TOKENS, PROMPTS, run_engine
 from .test_models import all_logits
 from .test_stories import CONTINUATION
 
-needs_stories = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 
 STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
          "she saw a big, red ball. She wanted to play with it, but it was too high. She asked her mom")
@@ -24,7 +23,6 @@ STORY = ("Once upon a time, there was a little girl named Lily. She loved to pla
 LOGIT_ERROR = {"int8": 4e-2, "fp8": 0.15}
 
 
-@needs_stories
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
 def test_stories_logits_stay_close(kv_cache_dtype: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -42,7 +40,6 @@ def test_stories_logits_stay_close(kv_cache_dtype: str) -> None:
     assert agree >= (1.0 if kv_cache_dtype == "int8" else 0.95)
 
 
-@needs_stories
 def test_stories_int8_greedy_is_the_known_continuation() -> None:
     llm = LLM(STORIES_HF, device="cpu", num_kv_blocks=256, kv_cache_dtype="int8")
     [out] = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=80))

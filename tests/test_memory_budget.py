@@ -101,8 +101,6 @@ def test_cpu_default_pool_is_sized_for_the_sequences_within_free_memory(monkeypa
     sequences of the context (not a fixed 2 GiB: a 1 MiB model sat at 2.4 GB), at most a
     quarter of the free memory, yet one full sequence where half of it holds one; the
     engine logs how it was sized."""
-    if not STORIES_HF.exists():
-        pytest.skip("../shared/models/stories260K-hf not present")
     # stories260K: 5 layers, 4 KV heads of 8, a 512-token context; K and V in fp32.
     per_token = 2 * 5 * 4 * 8 * 4
     sequence = 512 * per_token  # 640 KiB

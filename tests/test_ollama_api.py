@@ -32,7 +32,6 @@ LLAMA_STYLE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
-pytestmark = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 
 
 @pytest.fixture(scope="module")

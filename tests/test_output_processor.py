@@ -39,8 +39,6 @@ def _steps(engine: Engine, params: SamplingParams) -> list[RequestOutput]:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     return Engine(STORIES_HF, EngineConfig(num_kv_blocks=64), device="cpu")
 
 

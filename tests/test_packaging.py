@@ -36,7 +36,6 @@ PROMPT = "Once upon a time"
 # The files.txt entries: (kind, mode, source, destination).
 MANIFEST = [tuple(line.split()) for line in (ROOT / "packaging" / "files.txt").read_text().splitlines()
             if line.strip() and not line.startswith("#")]
-needs_stories = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 
 
 def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -122,7 +121,6 @@ def test_maintainer_scripts_are_posix_sh() -> None:
 
 
 @pytest.mark.slow
-@needs_stories
 def test_wheel_runs_in_a_fresh_venv(dists: tuple[Path, Path], hf_continuation: str, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)])
@@ -301,7 +299,6 @@ echo "purged: $(ls -d /var/lib/localserve /etc/localserve 2>/dev/null | wc -l)"
 
 
 @pytest.mark.slow
-@needs_stories
 def test_deb_installs_runs_and_purges(deb: Path, hf_continuation: str, tmp_path: Path) -> None:
     """dpkg -i, the postinst (user, folders, byte code), the model, remove, purge: in a chroot
     on an overlay of this system, so the real system stays untouched."""

@@ -18,12 +18,12 @@ from localserve.registry.blobs import file_digest
 from localserve.registry.download import DownloadError, RemoteFile, download
 from localserve.registry.pull import pull
 
-from .conftest import SHARED
+from .conftest import DATA
 from .fake_hub import FakeHub
 from .gguf_writers import split_gguf, tiny_llama, write_gguf
 
-STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
-SHARED_GPTQ = SHARED / "models" / "tiny-gptq-4bit-g32-actorder"
+STORIES_GGUF = DATA / "models" / "stories260K.gguf"
+SHARED_GPTQ = DATA / "models" / "tiny-gptq-4bit-g32-actorder"
 GGUF_REPO = "acme/Stories-260K-GGUF"
 GPTQ_REPO = "acme/tiny-llama-GPTQ"
 STORY = ", there was a little girl"

@@ -17,9 +17,9 @@ from localserve.registry.blobs import file_digest
 from localserve.registry.local import import_local
 from localserve.registry.registry import ModelFile, check_file_name
 
-from .conftest import SHARED, STORIES_HF
+from .conftest import DATA, STORIES_HF
 
-STORIES_GGUF = SHARED / "models" / "stories260K.gguf"
+STORIES_GGUF = DATA / "models" / "stories260K.gguf"
 
 
 @pytest.mark.parametrize("text, name, tag", [
@@ -154,7 +154,7 @@ def test_cli_verbs(tmp_path: Path) -> None:
 
 
 def test_a_new_registry_has_the_built_in_demo_model(tmp_path: Path) -> None:
-    """stories260K ships in the package (no ../shared, no network): a new registry lists
+    """stories260K ships in the package (no test data, no network): a new registry lists
     it as `demo`, `rm` removes it, and naming it brings it back."""
     from localserve.facts.checkpoint import model_info
     from localserve.registry.builtin import DEMO
@@ -180,7 +180,6 @@ def test_a_new_registry_has_the_built_in_demo_model(tmp_path: Path) -> None:
     assert [row["name"] for row in json.loads(runner.invoke(main, ["list", "--json"]).output)] == ["demo:latest"]
 
 
-@pytest.mark.skipif(not STORIES_GGUF.is_file(), reason="../shared is not beside the project")
 def test_the_demo_model_is_stories260k_with_a_chat_template() -> None:
     """scripts/make_demo_model.py kept every tensor and key, and added a template."""
     import gguf

@@ -8,7 +8,6 @@ from localserve import LLM, SamplingParams
 
 from .conftest import STORIES_HF
 
-pytestmark = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 
 PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went", "One day"]
 

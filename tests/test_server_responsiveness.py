@@ -89,10 +89,10 @@ def test_a_long_text_is_encoded_as_a_short_one_would_be() -> None:
     from localserve.formats import read_tokenizer
     from localserve.text import tokenizer as tokenizer_module
 
-    from .conftest import SHARED, STORIES_HF
+    from .conftest import DATA, STORIES_HF
 
     text = ("Once upon a time, \u00e9t\u00e9 \U0001f600 " * 2000)[: tokenizer_module._GIL_FREE_CHARS * 3]
-    for source in (STORIES_HF, SHARED / "tokenizers" / "ggml-vocab-gpt-2.gguf"):
+    for source in (STORIES_HF, DATA / "tokenizers" / "ggml-vocab-gpt-2.gguf"):
         tokenizer = read_tokenizer(source)
         assert tokenizer is not None
         for special in (True, False):

@@ -303,7 +303,7 @@ def test_the_service_users_registry_is_its_home(monkeypatch: pytest.MonkeyPatch)
 
 def test_serve_with_no_model_answers_the_readme_on_the_built_in_demo(tmp_path: Path) -> None:
     """README's first command on a fresh machine: `localserve serve` with nothing given
-    loads the demo model (no ../shared, no network), and its curl and SDK examples get
+    loads the demo model (no test data, no network), and its curl and SDK examples get
     answers."""
     from openai import OpenAI
 

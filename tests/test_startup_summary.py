@@ -17,7 +17,6 @@ from localserve import __version__
 from localserve.server.config import ServerConfig
 from localserve.server.startup import ModelFacts, StartupFacts, log_startup_summary, startup_facts, startup_summary
 
-from .conftest import STORIES_HF
 from .server_util import running_server, small_engine_config, stories_with_template
 from .test_service import free_port, logged_on_a_terminal, wait_healthy
 
@@ -73,8 +72,6 @@ def test_the_block_on_a_gpu_listening_everywhere() -> None:
 
 
 def test_the_facts_of_a_running_server(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     path = stories_with_template(tmp_path)
     config = ServerConfig(models={"stories": path, "spare": path}, preload=["stories", "missing"],
                           registry_home=tmp_path / "home", engine=small_engine_config(threads=1), device="cpu")
@@ -108,8 +105,6 @@ def test_the_facts_of_a_running_server(tmp_path: Path, caplog: pytest.LogCapture
 def test_serve_logs_the_block_once_ready(tmp_path: Path) -> None:
     """`localserve serve` under systemd (its stdout the journal's stream): the block comes
     once the model is loaded, every line at info priority, with the URLs it listens on."""
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     path = stories_with_template(tmp_path)
     port, ollama = free_port(), free_port()
     log = tmp_path / "journal.log"

@@ -1,4 +1,4 @@
-"""The real trained model in ../shared: known greedy continuation and tokenization."""
+"""The real trained model in tests/data: known greedy continuation and tokenization."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ CONTINUATION = (
     " a big, red ball. She wanted to play with it, but it was too high."
 )
 
-pytestmark = pytest.mark.skipif(not STORIES_HF.is_dir(), reason="../shared/models/stories260K-hf not present")
 
 
 @pytest.fixture(scope="module")

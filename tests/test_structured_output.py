@@ -40,8 +40,6 @@ FORMATS = [
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    if not STORIES_HF.is_dir():
-        pytest.skip("../shared/models/stories260K-hf not present")
     return Engine(STORIES_HF, EngineConfig(num_kv_blocks=64), device="cpu")
 
 

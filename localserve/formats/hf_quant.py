@@ -1,6 +1,6 @@
 """GPTQ and AWQ checkpoints (HF layout) re-packed into QuantWeight.
 
-Facts (../shared/FORMATS.md): GPTQ packs 32/bits consecutive *input* rows per int32
+Facts (the GPTQ and AWQ packers' formats): GPTQ packs 32/bits consecutive *input* rows per int32
 word of ``qweight [K*bits/32, N]`` and consecutive output columns per word of
 ``qzeros``; v1 (``checkpoint_format: gptq``) stores zero - 1. AWQ (gemm) packs eight
 output columns per word of ``qweight [K, N/8]`` in the nibble order 0, 2, 4, 6, 1, 3, 5, 7.
