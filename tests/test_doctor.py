@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -41,6 +42,28 @@ def test_doctor_json_is_a_bug_report() -> None:
     assert report["facts"]["torch"].startswith(torch.__version__)
     errors = [c["figures"]["relative_error"] for c in report["checks"] if "relative_error" in c["figures"]]
     assert len(errors) == 4 and max(errors) < 1e-4
+    demo = next(c for c in report["checks"] if c["name"] == "demo model on cpu")
+    speed = demo["figures"]
+    assert 0 < speed["tokens_per_second_min"] <= speed["tokens_per_second"] <= speed["tokens_per_second_max"]
+    assert speed["other_programs_cores"] >= 0 and "median of 5" in demo["detail"]
+
+
+def test_a_busy_host_is_said() -> None:
+    """Another program spinning on a core while the figure is taken is counted and named."""
+    from localserve.doctor.checks import Speed, others_busy_cores
+
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nprint(flush=True)\nend = time.time() + 3\n"
+                                "while time.time() < end: pass"], stdout=subprocess.PIPE, text=True)
+    try:
+        spinner.stdout.readline()  # it runs
+        others = others_busy_cores(lambda: time.sleep(1.0))
+    finally:
+        spinner.kill()
+        spinner.wait(timeout=10)
+    assert others >= 0.7, others
+    line = Speed([90.0, 100.0, 110.0], others).describe()
+    assert line.startswith("100 tokens/s (median of 3, 90-110); the host was busy: other programs used")
+    assert "busy" not in Speed([100.0], 0.1).describe()
 
 
 def test_benchmark_code_runs_on_cpu_tensors() -> None:
