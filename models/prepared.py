@@ -9,8 +9,9 @@ weights are pages of that file, shared with the page cache, read as the first st
 them. A stored file is checked as a hostile one would be: safetensors checks its offsets,
 and every tensor's dtype and shape is checked against the model it must fill.
 
-Models whose weights are all dense or tiled are stored; mixture-of-experts layers and the
-fp32-activation path's QuantWeights are not (``storable``), and load as before.
+Models whose weights are all dense or tiled are stored, mixtures of experts included when
+their experts are tiled stacks (with GPT-OSS's biases, if any); the fp32-activation path's
+QuantWeights are not (``storable``), and load as before.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from localserve.kernels.experts import ExpertMLP, ExpertWeights
 from localserve.kernels.quant_linear_cpu import TiledWeight
 
 from .layers import Linear, RMSNorm
 from .llama import LlamaForCausalLM
-from .moe import SparseMoE
+from .moe import Experts
 
 FORMAT = "localserve-prepared/1"
 
@@ -36,9 +38,20 @@ class PreparedMismatch(ValueError):
     """A stored file that does not fill this model (another version, a damaged file)."""
 
 
+EXPERT_BIASES = ("gate_up_bias", "down_bias")
+
+
 def storable(model: LlamaForCausalLM) -> bool:
-    return not any(isinstance(m, SparseMoE) for m in model.modules()) and all(
-        isinstance(w, (torch.Tensor, TiledWeight)) for linear in model.linears() for w in linear.weights)
+    return all(isinstance(w, (torch.Tensor, TiledWeight)) for linear in model.linears() for w in linear.weights) and all(
+        experts.mlp is not None and experts.mlp.tiled for experts in _experts(model).values())
+
+
+def _experts(model: LlamaForCausalLM) -> dict[str, Experts]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, Experts)}
+
+
+def _expert_stacks(mlp: ExpertMLP) -> dict[str, ExpertWeights]:
+    return {"gate_up": mlp.gate_up[0], "down": mlp.down}
 
 
 def _linears(model: LlamaForCausalLM) -> dict[str, Linear]:
@@ -72,9 +85,21 @@ def save(model: LlamaForCausalLM, path: Path, source: str) -> None:
         if linear.bias is not None:
             tensors[f"{name}.bias"] = linear.bias
         linears[name] = parts
+    experts: dict[str, dict] = {}
+    for name, module in _experts(model).items():
+        assert module.mlp is not None
+        entry = {}
+        for projection, stack in _expert_stacks(module.mlp).items():
+            numbers, fields = stack.weight.stored()  # type: ignore[union-attr]
+            entry[projection] = numbers
+            tensors.update({f"{name}.{projection}.{field}": t for field, t in fields.items()})
+        for bias in EXPERT_BIASES:
+            if getattr(module.mlp, bias) is not None:
+                tensors[f"{name}.{bias}"] = getattr(module.mlp, bias)
+        experts[name] = entry
     for name, tensor in _plain_tensors(model).items():
         tensors[f"plain.{name}"] = tensor.detach()
-    metadata = {"format": FORMAT, "source": source, "linears": json.dumps(linears)}
+    metadata = {"format": FORMAT, "source": source, "linears": json.dumps(linears), "experts": json.dumps(experts)}
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes never share one
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
     partial.replace(path)
@@ -108,8 +133,13 @@ def load(model: LlamaForCausalLM, path: Path, lanes: int) -> None:
                 linears = json.loads(metadata["linears"])
             except (KeyError, ValueError) as exc:
                 raise PreparedMismatch(f"{path.name}: no linear table ({exc})") from None
+            try:
+                experts = json.loads(metadata.get("experts", "{}"))
+            except ValueError as exc:
+                raise PreparedMismatch(f"{path.name}: a damaged expert table ({exc})") from None
             names = set(handle.keys())
             _fill_linears(model, handle, names, linears, lanes)
+            _fill_experts(model, handle, names, experts, lanes)
             _fill_plain(model, handle, names)
     except SafetensorError as exc:
         raise PreparedMismatch(f"{path.name}: not a valid safetensors file ({exc})") from None
@@ -160,6 +190,44 @@ def _fill_linears(model: LlamaForCausalLM, handle, names: set[str], stored: obje
             if bias.shape != (sum(linear.part_sizes),) or bias.dtype != model.dtype:
                 raise PreparedMismatch(f"{name}: the stored bias is {bias.dtype} {list(bias.shape)}")
         linear.weights, linear.bias, linear.parts, linear.bias_parts = weights, bias, [], None
+
+
+def _fill_experts(model: LlamaForCausalLM, handle, names: set[str], stored: object,  # type: ignore[no-untyped-def]
+                  lanes: int) -> None:
+    modules = _experts(model)
+    if not isinstance(stored, dict) or set(stored) != set(modules):
+        raise PreparedMismatch("the stored layout's experts are not this model's")
+    for name, module in modules.items():
+        entry = stored[name]
+        count, hidden, width = module.num_experts, module.hidden_size, module.intermediate_size
+        shapes = {"gate_up": (2 * width, hidden), "down": (hidden, width)}
+        stacks = {}
+        for projection, (rows, columns) in shapes.items():
+            numbers = entry.get(projection) if isinstance(entry, dict) else None
+            if not isinstance(numbers, dict):
+                raise PreparedMismatch(f"{name}: no stored {projection} experts")
+            prefix = f"{name}.{projection}."
+            fields = {field: _take(handle, names, prefix + field) for field in TiledWeight.TENSORS
+                      if prefix + field in names}
+            try:
+                tiled = TiledWeight.restore(numbers, fields, lanes)
+            except ValueError as exc:
+                raise PreparedMismatch(f"{name}.{projection}: {exc}") from None
+            # Each expert must start on a tile: the kernel reads expert e's rows from tile e * rows / lanes.
+            if tiled.shape != (count * rows, columns) or rows % lanes:
+                raise PreparedMismatch(f"{name}.{projection}: stored as {list(tiled.shape)}, expected "
+                                       f"{count} experts of [{rows}, {columns}]")
+            stacks[projection] = ExpertWeights(tiled, count)
+        biases: dict[str, torch.Tensor | None] = dict.fromkeys(EXPERT_BIASES)
+        if module.bias_parts is not None:
+            for bias, rows in zip(EXPERT_BIASES, (2 * width, hidden)):
+                value = _take(handle, names, f"{name}.{bias}")
+                if value.shape != (count, rows) or value.dtype != model.dtype:
+                    raise PreparedMismatch(f"{name}: the stored {bias} is {value.dtype} {list(value.shape)}")
+                biases[bias] = value
+        module.mlp = ExpertMLP([stacks["gate_up"]], stacks["down"], biases["gate_up_bias"], biases["down_bias"],
+                               module.activation)
+        module.parts, module.bias_parts = {}, None
 
 
 def _fill_plain(model: LlamaForCausalLM, handle, names: set[str]) -> None:  # type: ignore[no-untyped-def]

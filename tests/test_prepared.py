@@ -5,6 +5,7 @@ version, a damaged or doctored file) must never be read into the kernels, only r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -132,13 +133,49 @@ def test_what_is_not_stored(tmp_path, tiny_f32, tiny_models) -> None:
     assert stored_files(tmp_path / "hf") == []
 
 
-def test_moe_models_are_not_stored(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "gpt_oss"])
+def test_mixtures_of_experts_map_too(tmp_path, monkeypatch, kind: str) -> None:
+    """Tiled expert stacks (and a shared expert, and GPT-OSS's expert biases and sinks) are
+    stored and mapped back; the mapped model computes exactly what the converted one does."""
+    from localserve import models
+
+    from .gguf_writers import tiny_gpt_oss, tiny_moe
+
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(path, tiny_gpt_oss() if kind == "gpt_oss" else tiny_moe(kind), Q.Q8_0)
+    folder = tmp_path / "prepared"
+    converted = engine(path, folder)
+    assert all(experts.mlp.tiled for _, experts in converted.model.experts())
+    expected = all_logits(converted, PROMPTS)[0]
+    assert len(stored_files(folder)) == 1
+    monkeypatch.setattr(models, "build", lambda *a, **k: pytest.fail("the checkpoint was converted again"))
+    mapped = engine(path, folder)
+    assert all(experts.mlp.tiled for _, experts in mapped.model.experts())
+    assert torch.equal(all_logits(mapped, PROMPTS)[0], expected)
+
+
+def test_stored_experts_that_do_not_fit_are_converted_again(tmp_path, caplog) -> None:
+    """An expert stack one expert short (a doctored or foreign file) never reaches the kernel."""
     from .gguf_writers import tiny_moe
 
     path = tmp_path / "moe.gguf"
-    write_gguf(path, tiny_moe("mixtral"), Q.Q8_0)
-    engine(path, tmp_path / "prepared")
-    assert stored_files(tmp_path / "prepared") == []
+    write_gguf(path, tiny_moe("qwen3_moe"), Q.Q8_0)
+    folder = tmp_path / "prepared"
+    expected = all_logits(engine(path, folder), PROMPTS)[0]
+    [name] = stored_files(folder)
+    with safe_open(str(folder / name), framework="pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key).clone() for key in handle.keys()}
+    table = json.loads(metadata["experts"])
+    layer = next(iter(table))
+    table[layer]["down"]["out_features"] -= 256  # one expert fewer, tensors cut to match
+    for key in [k for k in tensors if k.startswith(f"{layer}.down.")]:
+        tensors[key] = tensors[key][: tensors[key].shape[0] * 3 // 4].contiguous()
+    save_file(tensors, str(folder / name), metadata={**metadata, "experts": json.dumps(table)})
+    with caplog.at_level(logging.WARNING, logger="localserve.engine"):
+        reloaded = engine(path, folder)
+    assert "does not fit" in caplog.text
+    assert torch.equal(all_logits(reloaded, PROMPTS)[0], expected)
 
 
 def test_layouts_of_removed_sources_are_pruned(tmp_path, tiny_f32) -> None:

@@ -72,7 +72,7 @@ def store(model: models.LlamaForCausalLM, stored: Path, checkpoint: Checkpoint) 
     disk has room; then prune the folder. A failure costs a warning, never the load."""
     if not prepared.storable(model) or checkpoint.gguf is None:
         return
-    size = sum(linear.nbytes for linear in model.linears())
+    size = sum(linear.nbytes for linear in model.linears()) + sum(experts.nbytes for _, experts in model.experts())
     start = time.monotonic()
     try:
         stored.parent.mkdir(parents=True, exist_ok=True)
