@@ -121,6 +121,23 @@ def _plain_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return found
 
 
+def mapped_tensors(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Every tensor a mapped model reads from its stored file: what ``save`` writes."""
+    found: list[torch.Tensor] = []
+    for linear in _linears(model).values():
+        for weight in linear.weights:
+            found += weight.stored()[1].values() if isinstance(weight, TiledWeight) else [weight]
+        if linear.bias is not None:
+            found.append(linear.bias)
+    for module in _experts(model).values():
+        assert module.mlp is not None
+        found += [t for stack in _expert_stacks(module.mlp).values()
+                  for t in stack.weight.stored()[1].values()]  # type: ignore[union-attr]
+        found += [getattr(module.mlp, bias) for bias in EXPERT_BIASES if getattr(module.mlp, bias) is not None]
+    found += [t.data for t in _plain_tensors(model).values()]
+    return found
+
+
 def load(model: LlamaForCausalLM, path: Path, lanes: int) -> None:
     """Fill a freshly built model (no weights loaded, cast to its dtype) from ``path``,
     every tensor checked against the model: PreparedMismatch if anything differs."""

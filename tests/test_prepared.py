@@ -69,6 +69,63 @@ def test_the_mapped_model_computes_what_the_converted_one_does(tmp_path, q4_k_m,
     assert torch.equal(all_logits(mapped, PROMPTS)[0], converted[0])
 
 
+def resident_bytes_of(path) -> int:  # type: ignore[no-untyped-def]
+    """Bytes of this process's mappings of ``path`` that are in its page tables (Linux)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_mapped_layout_is_faulted_in_behind_the_load(tmp_path, q4_k_m, monkeypatch) -> None:
+    """After a mapped load a thread asks the kernel to put the weights' pages in the page
+    tables, so that the first request does not fault them in one by one: every stored byte."""
+    import threading
+
+    folder = tmp_path / "prepared"
+    engine(q4_k_m, folder)
+    [name] = stored_files(folder)
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(prepared_store, "populate", asked.extend)
+    mapped = engine(q4_k_m, folder)
+    for thread in threading.enumerate():
+        if thread.name == "prefault-weights":
+            thread.join(timeout=60)
+    covered = sum(length for _, length in asked)
+    weights = sum(t.numel() * t.element_size() for t in prepared.mapped_tensors(mapped.model))
+    assert weights >= 0.95 * (folder / name).stat().st_size  # the file is its tensors, less the header
+    assert covered >= weights and all(start % prepared_store._PAGE == 0 for start, _ in asked)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc")
+def test_populate_puts_a_mapping_in_the_page_tables(tmp_path) -> None:
+    import mmap
+
+    path = tmp_path / "pages.bin"
+    path.write_bytes(os.urandom(1 << 20) * 32)  # 32 MiB
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY) as mapping:
+        view = torch.frombuffer(mapping, dtype=torch.uint8)
+        assert resident_bytes_of(path) < (8 << 20)  # nothing touched it yet
+        prepared_store.populate(prepared_store.page_ranges([view]))
+        assert resident_bytes_of(path) >= (31 << 20)
+        del view
+
+
+def test_page_ranges_merge_neighbours() -> None:
+    page = prepared_store._PAGE
+    buffer = torch.zeros(8 * page, dtype=torch.uint8)
+    base = buffer.data_ptr()
+    ranges = prepared_store.page_ranges([buffer[10 : page + 5], buffer[page + 9 : 2 * page], buffer[5 * page + 1 :]])
+    first = base - base % page
+    assert ranges[0][0] == first and ranges[0][0] + ranges[0][1] >= base + 2 * page
+    assert len(ranges) == 2 and ranges[1][0] <= base + 5 * page + 1 < ranges[1][0] + ranges[1][1]
+    assert all(start % page == 0 and length % page == 0 for start, length in ranges)
+
+
 def test_a_dense_model_maps_too(tmp_path, tiny_f32) -> None:
     folder = tmp_path / "prepared"
     converted = all_logits(engine(tiny_f32, folder), PROMPTS)
