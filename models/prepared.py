@@ -76,9 +76,7 @@ def save(model: LlamaForCausalLM, path: Path, source: str) -> None:
         parts = []
         for i, weight in enumerate(linear.weights):
             if isinstance(weight, TiledWeight):
-                numbers, fields = weight.stored()
-                parts.append({"tiled": numbers})
-                tensors.update({f"{name}.{i}.{field}": t for field, t in fields.items()})
+                parts.append({"tiled": _put_tiled(tensors, f"{name}.{i}.", weight)})
             else:
                 parts.append({"dense": True})
                 tensors[f"{name}.{i}"] = weight
@@ -90,9 +88,7 @@ def save(model: LlamaForCausalLM, path: Path, source: str) -> None:
         assert module.mlp is not None
         entry = {}
         for projection, stack in _expert_stacks(module.mlp).items():
-            numbers, fields = stack.weight.stored()  # type: ignore[union-attr]
-            entry[projection] = numbers
-            tensors.update({f"{name}.{projection}.{field}": t for field, t in fields.items()})
+            entry[projection] = _put_tiled(tensors, f"{name}.{projection}.", stack.weight)  # type: ignore[arg-type]
         for bias in EXPERT_BIASES:
             if getattr(module.mlp, bias) is not None:
                 tensors[f"{name}.{bias}"] = getattr(module.mlp, bias)
@@ -172,6 +168,22 @@ def _take(handle, names: set[str], name: str) -> torch.Tensor:  # type: ignore[n
     return handle.get_tensor(name)
 
 
+def _put_tiled(tensors: dict[str, torch.Tensor], prefix: str, weight: TiledWeight) -> dict[str, int | float]:
+    """A tiled weight's tensors into ``tensors`` under ``prefix``; its numbers, for the table."""
+    numbers, fields = weight.stored()
+    tensors.update({prefix + field: t for field, t in fields.items()})
+    return numbers
+
+
+def _take_tiled(handle, names: set[str], prefix: str, numbers: dict, lanes: int) -> TiledWeight:  # type: ignore[no-untyped-def]
+    """The tiled weight ``_put_tiled`` stored under ``prefix``, checked by ``TiledWeight.restore``."""
+    fields = {field: _take(handle, names, prefix + field) for field in TiledWeight.TENSORS if prefix + field in names}
+    try:
+        return TiledWeight.restore(numbers, fields, lanes)
+    except ValueError as exc:
+        raise PreparedMismatch(f"{prefix.rstrip('.')}: {exc}") from None
+
+
 def _fill_linears(model: LlamaForCausalLM, handle, names: set[str], stored: object,  # type: ignore[no-untyped-def]
                   lanes: int) -> None:
     linears = _linears(model)
@@ -184,12 +196,7 @@ def _fill_linears(model: LlamaForCausalLM, handle, names: set[str], stored: obje
         weights: list[torch.Tensor | TiledWeight] = []
         for i, part in enumerate(parts):
             if isinstance(part, dict) and isinstance(part.get("tiled"), dict):
-                fields = {field: _take(handle, names, f"{name}.{i}.{field}") for field in TiledWeight.TENSORS
-                          if f"{name}.{i}.{field}" in names}
-                try:
-                    weights.append(TiledWeight.restore(part["tiled"], fields, lanes))
-                except ValueError as exc:
-                    raise PreparedMismatch(f"{name}: {exc}") from None
+                weights.append(_take_tiled(handle, names, f"{name}.{i}.", part["tiled"], lanes))
             elif isinstance(part, dict) and part.get("dense") is True:
                 dense = _take(handle, names, f"{name}.{i}")
                 if dense.dim() != 2 or dense.dtype != model.dtype:
@@ -223,13 +230,7 @@ def _fill_experts(model: LlamaForCausalLM, handle, names: set[str], stored: obje
             numbers = entry.get(projection) if isinstance(entry, dict) else None
             if not isinstance(numbers, dict):
                 raise PreparedMismatch(f"{name}: no stored {projection} experts")
-            prefix = f"{name}.{projection}."
-            fields = {field: _take(handle, names, prefix + field) for field in TiledWeight.TENSORS
-                      if prefix + field in names}
-            try:
-                tiled = TiledWeight.restore(numbers, fields, lanes)
-            except ValueError as exc:
-                raise PreparedMismatch(f"{name}.{projection}: {exc}") from None
+            tiled = _take_tiled(handle, names, f"{name}.{projection}.", numbers, lanes)
             # Each expert must start on a tile: the kernel reads expert e's rows from tile e * rows / lanes.
             if tiled.shape != (count * rows, columns) or rows % lanes:
                 raise PreparedMismatch(f"{name}.{projection}: stored as {list(tiled.shape)}, expected "
