@@ -40,6 +40,19 @@ class Thinking(str):
     """A piece of a model's reasoning (its ``<think>`` block), apart from the answer."""
 
 
+class Stopped(str):
+    """The last, empty piece of a reply cut short by its length limit (the request's
+    max_tokens, else the model's num_predict, else the context's end), so that the
+    caller can say why it ended there."""
+
+    reason: str
+
+    def __new__(cls, reason: str) -> Stopped:
+        piece = super().__new__(cls, "")
+        piece.reason = reason
+        return piece
+
+
 class DaemonClient:
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.url = url or daemon_url()
@@ -62,7 +75,7 @@ class DaemonClient:
 
     def stream_text(self, path: str, body: dict[str, Any]) -> Iterator[str]:
         """POST a streaming completion and yield each chunk's new text (a thinking model's
-        reasoning as ``Thinking`` pieces); closing the iterator closes the connection,
+        reasoning as ``Thinking`` pieces; ``Stopped`` last if the length limit ended it); closing the iterator closes the connection,
         which cancels the request on the daemon."""
         try:
             with self.http.stream("POST", path, json={**body, "stream": True}) as response:
@@ -82,6 +95,8 @@ class DaemonClient:
                         text = delta.get("content") if "delta" in choice else choice.get("text")
                         if text:
                             yield text
+                        if choice.get("finish_reason") == "length":
+                            yield Stopped("length")
         except httpx.HTTPError as exc:
             raise LocalserveError(f"lost the daemon at {self.url} ({exc})") from exc
 

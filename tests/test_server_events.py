@@ -58,7 +58,7 @@ def test_stats_describe_the_host_the_models_and_what_happened(tmp_path: Path) ->
 
 
 def test_a_failed_load_and_a_500_are_events(tmp_path: Path) -> None:
-    def broken(name: str, path: Path, progress: object):  # type: ignore[no-untyped-def]
+    def broken(entry: object, progress: object):  # type: ignore[no-untyped-def]
         raise RuntimeError("the device caught fire")
 
     config = ServerConfig(models={"stories": STORIES_HF}, engine=small_engine_config(), device="cpu")

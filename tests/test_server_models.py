@@ -18,7 +18,7 @@ from safetensors import safe_open
 from localserve.engine.engine import Engine
 from localserve.engine.stats import EngineStats, LoadProgress
 from localserve.server.app import open_engine
-from localserve.server.catalog import ModelCatalog
+from localserve.server.catalog import CatalogEntry, ModelCatalog
 from localserve.server.config import ServerConfig
 from localserve.server.model_manager import ManagerOptions, ModelManager, ModelUnavailableError, parse_keep_alive
 
@@ -119,9 +119,9 @@ def test_loading_answers_503_to_clients_that_will_not_wait(model_path: Path) -> 
     config = config_for(model_path, preload=["a"])
     real = open_engine(config)
 
-    def slow(name: str, path: Path, progress: LoadProgress):  # type: ignore[no-untyped-def]
+    def slow(entry: CatalogEntry, progress: LoadProgress):  # type: ignore[no-untyped-def]
         time.sleep(1.5)
-        return real(name, path, progress)
+        return real(entry, progress)
 
     with running_server(config, load=slow, wait_ready=False) as server:
         health = httpx.get(f"{server.url}/health")
@@ -142,11 +142,11 @@ def test_a_model_being_loaded_is_in_the_stats_with_its_progress_and_waiting_requ
     real = open_engine(config)
     go = threading.Event()
 
-    def held(name: str, path: Path, progress: LoadProgress):  # type: ignore[no-untyped-def]
+    def held(entry: CatalogEntry, progress: LoadProgress):  # type: ignore[no-untyped-def]
         progress.step("loading weights", total=10)
         progress.done = 4
         go.wait(30)
-        return real(name, path, progress)
+        return real(entry, progress)
 
     def loading() -> list[dict]:
         return httpx.get(f"{server.url}/api/localserve/stats").json()["loading"]
@@ -194,10 +194,10 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
     available = {"bytes": 10}
     engines: dict[str, FakeEngine] = {}
 
-    def load(name: str, path: Path, progress: LoadProgress) -> FakeEngine:
-        engines[name] = FakeEngine()
+    def load(entry: CatalogEntry, progress: LoadProgress) -> FakeEngine:
+        engines[entry.name] = FakeEngine()
         available["bytes"] -= 4
-        return engines[name]
+        return engines[entry.name]
 
     def unload_returns_memory(name: str) -> None:
         available["bytes"] += 4
@@ -234,7 +234,7 @@ def test_unloads_idle_models_when_memory_is_short() -> None:
 
 def test_limit_reached_with_every_model_busy_is_503() -> None:
     async def run() -> None:
-        manager = ModelManager(ModelCatalog({"a": Path("a"), "b": Path("b")}), lambda name, path, progress: FakeEngine(),  # type: ignore[arg-type,return-value]
+        manager = ModelManager(ModelCatalog({"a": Path("a"), "b": Path("b")}), lambda entry, progress: FakeEngine(),  # type: ignore[arg-type,return-value]
                                ManagerOptions(max_loaded_models=1))
         await manager.acquire("a")
         with pytest.raises(ModelUnavailableError) as raised:

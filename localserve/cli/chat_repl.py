@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..client import Thinking
+from ..client import Stopped, Thinking
 from ..errors import LocalserveError
 
 __all__ = ["CONTINUATION_PROMPT", "ChatSettings", "Generate", "HELP", "PROMPT", "chat_loop", "messages_for",
@@ -327,7 +327,15 @@ def stdin_reader() -> ReadLine:
 
 def write_stdout(text: str) -> None:
     """Write `text` to stdout at once (streamed replies must not wait in a buffer); a
-    model's reasoning dimmed on a terminal, and left out when the output is piped."""
+    model's reasoning dimmed on a terminal, and left out when the output is piped; a
+    reply cut at its length limit says so on stderr."""
+    if isinstance(text, Stopped):
+        # Said on stderr, so that a piped reply stays the model's text alone.
+        sys.stdout.flush()
+        sys.stderr.write("\n[stopped at the length limit: --max-tokens (/set max_tokens in a chat) or a "
+                         "Modelfile's PARAMETER num_predict sets another]\n")
+        sys.stderr.flush()
+        return
     if isinstance(text, Thinking):
         if not sys.stdout.isatty():
             return

@@ -153,10 +153,13 @@ def main() -> None:
 @click.argument("prompt", required=False)
 @click.option("--system", default=None, help="A system prompt.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None,
-              help="Tokens to generate at most; default: until the model stops or the context is full.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 is no limit.")
+              help="Tokens to generate at most; default: the model's num_predict, else until the model stops or the "
+                   "context is full.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+              help="0 is greedy; default: the model's own, else 0.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Default: the model's own, else 1.")
+@click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 is no limit; default: the model's own, else 0.")
 @click.option("--seed", type=int, default=None)
 @click.option("--raw", is_flag=True, help="Complete PROMPT as plain text, without the chat template.")
 @click.option("--format", "output_format", type=click.Choice(["json"]), default=None,
@@ -166,18 +169,21 @@ def main() -> None:
 @click.option("--device", default=None, help="cpu or cuda; default cuda when available (in-process only).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device (in-process only).")
 @engine_options
-def run(model: str, prompt: str | None, system: str | None, max_tokens: int | None, temperature: float,
-        top_p: float, top_k: int, seed: int | None, raw: bool, output_format: str | None, schema: Path | None,
+def run(model: str, prompt: str | None, system: str | None, max_tokens: int | None, temperature: float | None,
+        top_p: float | None, top_k: int | None, seed: int | None, raw: bool, output_format: str | None, schema: Path | None,
         device: str | None, dtype: str | None, **options: object) -> None:
     """Chat with MODEL (a registry name, a .gguf file or an HF checkpoint folder), or
     answer PROMPT and exit. Runs on the daemon when it is up and serves MODEL, else
-    loads the model here (then the engine options apply)."""
+    loads the model here (then the engine options apply). The model's own defaults (a
+    Modelfile's parameters and system prompt) apply where no flag is given."""
     from .chat_repl import ChatSettings, chat_loop, messages_for, stdin_reader, write_stdout
 
+    backend = _run_backend(model, device, dtype, options)
+    if temperature is None:  # greedy unless the model says otherwise
+        temperature = backend.settings.parameters.get("temperature", 0.0)
     settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
                             system=system, json_schema=_read_schema(schema) if schema else None,
                             json_object=output_format == "json")
-    backend = _run_backend(model, device, dtype, options)
     if prompt is not None:
         if backend.has_template and not raw:
             pieces = backend.chat(messages_for([{"role": "user", "content": prompt}], settings), settings)
@@ -219,7 +225,12 @@ def _run_backend(model: str, device: str | None, dtype: str | None, options: dic
         if client.reachable() and (backend := daemon_backend(client, model)) is not None:
             return backend
         registry = open_registry()
-        path = registry.path(registry.get(model).name)
+        record = registry.get(model)
+        path, settings = registry.path(record.name), registry.settings(record)
+        config = engine_config(options)
+        if settings.context_length is not None and config.max_model_len is None:  # the model's num_ctx
+            config = dataclasses.replace(config, max_model_len=settings.context_length)
+        return LocalBackend(Engine(path, config, device=device, dtype=dtype), settings)
     return LocalBackend(Engine(path, engine_config(options), device=device, dtype=dtype))
 
 
@@ -374,7 +385,11 @@ def fit(model: str, gpu_memory: int | None, dtype: str | None, as_json: bool, **
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as JSON.")
 @click.option("--template", "show_template", is_flag=True, help="Print only the chat template.")
 @click.option("--license", "show_license", is_flag=True, help="Print only the license (its text when the model has it).")
-def show(model: str, as_json: bool, show_template: bool, show_license: bool) -> None:
+@click.option("--modelfile", "show_modelfile", is_flag=True,
+              help="Print a Modelfile that makes the model (its own parameters, system prompt, template).")
+@click.option("--parameters", "show_parameters", is_flag=True, help="Print only the model's own default parameters.")
+def show(model: str, as_json: bool, show_template: bool, show_license: bool, show_modelfile: bool,
+         show_parameters: bool) -> None:
     """What MODEL (a registry name, a .gguf file or an HF checkpoint folder) is: architecture,
     parameters (total, and active per token for mixture-of-experts models), context,
     quantization, size, chat template, license and files."""
@@ -383,7 +398,11 @@ def show(model: str, as_json: bool, show_template: bool, show_license: bool) -> 
     from ..facts.show import model_facts
 
     facts, lines = model_facts(model)
-    if show_template:
+    if show_modelfile:
+        click.echo(facts["modelfile"], nl=False)
+    elif show_parameters:
+        click.echo("\n".join(facts["parameter_lines"]) or f"{model} sets no parameters of its own")
+    elif show_template:
         click.echo(facts["template"] or f"{model} has no chat template")
     elif show_license:
         click.echo(facts["license_text"] or facts["license"] or f"{model} declares no license")
@@ -587,6 +606,29 @@ def rm(names: tuple[str, ...]) -> None:
     for name in names:
         freed = registry.remove(name)
         click.echo(f"deleted {name} ({len(freed)} blob{'s' * (len(freed) != 1)} freed)")
+
+
+@main.command()
+@click.argument("name")
+@click.option("-f", "--file", "modelfile", type=click.Path(dir_okay=False, path_type=Path), default=Path("Modelfile"),
+              show_default=True, help="The Modelfile to read.")
+def create(name: str, modelfile: Path) -> None:
+    """Register NAME as a Modelfile makes it: a model (FROM a registry name, a .gguf
+    file or an HF folder) with its own default PARAMETERs (temperature, top_p, top_k,
+    min_p, num_predict, num_ctx, stop, repeat_penalty, seed, ...), SYSTEM prompt,
+    TEMPLATE (a Jinja chat template), MESSAGEs and LICENSE. Requests' own fields win
+    over these defaults. See docs/modelfile.md."""
+    from ..registry import open_registry
+    from ..registry.create import create_model
+    from ..registry.modelfile import parse_modelfile
+
+    try:
+        text = modelfile.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"{modelfile}: cannot read it ({exc})", param_hint="-f") from exc
+    made = parse_modelfile(text)
+    record = create_model(open_registry(), name, made, modelfile.resolve().parent)
+    click.echo(f"created {record.name} from {made.base}")
 
 
 @main.command()

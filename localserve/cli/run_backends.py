@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .chat_repl import ChatSettings
-from ..client import DaemonClient, DaemonError, Thinking
+from ..client import DaemonClient, DaemonError, Stopped, Thinking
+from ..registry.settings import ModelSettings
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 class Backend(Protocol):
     has_template: bool  # whether chat messages can be rendered (else prompts are completed as plain text)
     where: str  # said to the user: "daemon at http://..." or "in-process"
+    settings: ModelSettings  # the model's own defaults (a Modelfile's), under the user's flags
 
     def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]: ...
 
@@ -49,9 +51,12 @@ def _output_format(settings: ChatSettings) -> OutputFormat | None:
 
 @dataclass
 class DaemonBackend:
+    """The daemon applies the model's settings itself; ``settings`` tells the CLI what they are."""
+
     client: DaemonClient
     model: str
     has_template: bool
+    settings: ModelSettings = ModelSettings()
 
     @property
     def where(self) -> str:
@@ -71,16 +76,18 @@ class LocalBackend:
 
     where = "in-process"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, settings: ModelSettings = ModelSettings()) -> None:
         self.engine = engine
-        self.template = engine.checkpoint.chat_template_or_none()
+        self.settings = settings
+        self.template = engine.checkpoint.chat_template_or_none(settings.template)
         self.has_template = self.template is not None
 
     def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
         from ..chat import reasoning
 
         assert self.template is not None
-        text = self.template.render(messages, add_generation_prompt=True)
+        # The model's own system prompt and opening turns, as the daemon puts them.
+        text = self.template.render(self.settings.conversation(messages), add_generation_prompt=True)
         # The template writes BOS itself where the model wants it.
         stream = self._stream(self._encode(text, add_special_tokens=False), settings)
         if not reasoning.thinks(self.template.source):
@@ -102,14 +109,18 @@ class LocalBackend:
         from ..engine.sampling_params import SamplingParams
 
         room = max(self.engine.max_model_len - len(prompt), 1)  # the engine refuses a prompt with no room
-        fields = _sampling_fields(settings)
+        fields = {**self.settings.request_fields(), **_sampling_fields(settings)}  # the user's flags win
         fields["max_tokens"] = min(fields.get("max_tokens", room), room)
         request_id = self.engine.add_request(prompt, SamplingParams(**fields, output_format=_output_format(settings)))
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.request_id == request_id and output.delta:
+                    if output.request_id != request_id:
+                        continue
+                    if output.delta:
                         yield output.delta
+                    if output.finished and output.finish_reason == "length":
+                        yield Stopped("length")
         finally:
             if self.engine.has_unfinished_requests():
                 self.engine.abort(request_id)  # Ctrl-C, or an error: free the sequence
@@ -142,4 +153,7 @@ def daemon_backend(client: DaemonClient, model: str) -> DaemonBackend | None:
             return None
         raise
     shown = client.post("/api/show", {"model": name})
-    return DaemonBackend(client, name, bool(shown.get("template")))
+    stored = shown.get("settings") or {}
+    settings = ModelSettings.checked(stored.get("parameters"), stored.get("system"), stored.get("template"),
+                                     stored.get("messages"), f"{name}'s settings")
+    return DaemonBackend(client, name, bool(shown.get("template")), settings)

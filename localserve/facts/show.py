@@ -10,6 +10,8 @@ from ..formats import Checkpoint, open_checkpoint
 from .checkpoint import model_info
 from ..registry import ModelRecord, open_registry
 from ..registry.local import model_files, role_of
+from ..registry.modelfile import render_modelfile
+from ..registry.settings import ModelSettings
 
 _LICENSE_TEXT_LIMIT = 1 << 20
 
@@ -18,16 +20,18 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The facts of ``model`` (a path, else a registry name) as a dict and as labelled lines."""
     path = Path(model).expanduser()
     record: ModelRecord | None = None
+    settings = ModelSettings()
     if not path.exists():
         registry = open_registry()
         record = registry.get(model)
         path = registry.path(record.name)
+        settings = registry.settings(record)
     # A folder the user names is checked before anything is read; the registry's own are links into its store.
     folder_files = model_files(path) if record is None and path.is_dir() else None
     checkpoint = open_checkpoint(path)
     info, lines = model_info(checkpoint)
     files = _files(checkpoint, record, folder_files)
-    chat_template = checkpoint.chat_template_or_none()
+    chat_template = checkpoint.chat_template_or_none(settings.template)
     template = chat_template.source if chat_template is not None else None
     license_text = _license_text(path, files)
     license = (record.license if record else None) or info["license"]
@@ -35,13 +39,21 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         **info, "name": str(record.name) if record else None, "source": record.source if record else None,
         "created": record.created if record else None, "last_used": record.last_used if record else None,
         "template": template, "license": license, "license_text": license_text, "files": files,
+        "settings": settings.as_dict(), "parameter_lines": settings.parameter_lines(),
+        "modelfile": render_modelfile(str(path), settings, [], f"Modelfile of {record.name if record else model}, "
+                                      "as localserve show --modelfile writes it"),
     }
     if record is not None:
         lines.insert(0, ("name", str(record.name)))
         lines.append(("source", record.source))
-    lines.append(("template", f"{len(template.splitlines())} lines (show --template prints it)" if template
+    lines.append(("template", f"{len(template.splitlines())} line{'s' * (len(template.splitlines()) != 1)} (show --template prints it)" if template
                   else "none (prompts are completed as plain text)"))
     lines.append(("license", (license or "not declared") + (" (show --license prints it)" if license_text else "")))
+    lines += [("defaults" if i == 0 else "", line) for i, line in enumerate(settings.parameter_lines())]
+    if settings.system is not None:
+        lines.append(("system", settings.system if len(settings.system) <= 80 else settings.system[:77] + "..."))
+    if settings.messages:
+        lines.append(("messages", f"{len(settings.messages)} (show --modelfile prints them)"))
     lines += [("file" if i == 0 else "", f"{f['name']}  {f['role']}  {f['size']} bytes") for i, f in enumerate(files)]
     return facts, lines
 

@@ -61,18 +61,19 @@ class Checkpoint:
         """The checkpoint's tokenizer, or None when it ships none."""
         return read_tokenizer(self.path, self.gguf)
 
-    def chat_template(self) -> ChatTemplate:
+    def chat_template(self, source: str | None = None) -> ChatTemplate:
         """The checkpoint's chat template (tokenizer_config.json / chat_template.jinja, or
-        GGUF metadata); a LocalserveError says when there is none or it is broken."""
+        GGUF metadata), or ``source`` (a model's own TEMPLATE) with the checkpoint's special
+        tokens; a LocalserveError says when there is none or it is broken."""
         if self.gguf is not None:
-            return chat_template_from_gguf(self.gguf)
-        return ChatTemplate.from_dir(self.path)
+            return chat_template_from_gguf(self.gguf, source)
+        return ChatTemplate.from_dir(self.path, source=source)
 
-    def chat_template_or_none(self) -> ChatTemplate | None:
+    def chat_template_or_none(self, source: str | None = None) -> ChatTemplate | None:
         """The chat template, or None when there is none (or it cannot be used): then
         prompts are completed as plain text."""
         try:
-            return self.chat_template()
+            return self.chat_template(source)
         except LocalserveError:
             return None
 

@@ -298,10 +298,11 @@ def _float_vector(gguf: GGUFFile, name: str, length: int) -> tuple[float, ...] |
 _PLAIN_FLOATS = {0: np.dtype("<f4"), 1: np.dtype("<f2")}
 
 
-def chat_template_from_gguf(gguf: GGUFFile) -> ChatTemplate:
-    """``tokenizer.chat_template`` with the BOS/EOS token texts from the vocabulary."""
+def chat_template_from_gguf(gguf: GGUFFile, source: str | None = None) -> ChatTemplate:
+    """``tokenizer.chat_template`` (or ``source``, a Modelfile's TEMPLATE, in its place)
+    with the BOS/EOS token texts from the vocabulary."""
     metadata = gguf.metadata
-    template = metadata.get("tokenizer.chat_template")
+    template = metadata.get("tokenizer.chat_template") if source is None else source
     if not isinstance(template, str):
         raise LocalserveError(
             f"{gguf.path}: this model has no chat template (no tokenizer.chat_template); "

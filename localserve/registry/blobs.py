@@ -80,6 +80,18 @@ class BlobStore:
         finally:
             temporary.unlink(missing_ok=True)
 
+    def add_bytes(self, data: bytes) -> str:
+        """Store ``data`` (a model's settings, a license text); returns its digest."""
+        temporary = self.root / f"tmp-{uuid.uuid4().hex}"
+        try:
+            with open(temporary, "wb") as writer:
+                fcntl.flock(writer, fcntl.LOCK_EX)
+                writer.write(data)
+                writer.flush()
+                return self._commit(temporary, f"sha256-{hashlib.sha256(data).hexdigest()}", None, "data")
+        finally:
+            temporary.unlink(missing_ok=True)
+
     def commit_partial(self, partial: Path, expected: str | None = None, what: str = "download") -> str:
         """Hash a finished download and move it into place; a mismatch deletes it."""
         try:

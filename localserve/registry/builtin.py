@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .names import ModelName
+from .settings import ModelSettings
 
 DEMO_FOLDER = Path(__file__).resolve().parents[1] / "demo"
 
@@ -30,11 +31,14 @@ class BuiltinModel:
     context_length: int
     license: str
     source: str
+    settings: ModelSettings
 
 
 DEMO = BuiltinModel(
     name=ModelName("demo", "latest"), path=DEMO_FOLDER / "stories260K.gguf", license_path=DEMO_FOLDER / "LICENSE",
     architecture="llama", quantization="F32 100%", parameters=292_800, context_length=2048, license="MIT",
-    source="built-in: stories260K, karpathy/tinyllamas")
+    source="built-in: stories260K, karpathy/tinyllamas",
+    # A tiny story model rarely says it is done: a reply ends after a short story's length.
+    settings=ModelSettings(parameters={"num_predict": 200}))
 
 BUILTIN = {DEMO.name: DEMO}

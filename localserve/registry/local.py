@@ -114,13 +114,19 @@ def import_local(registry: Registry, path: Path, name: str | None = None) -> Mod
     file or folder name). Its metadata is read before anything is copied, so a broken or
     unsupported checkpoint registers nothing."""
     path = path.expanduser()
+    model_name = parse_name(name) if name else default_name(path)
+    return register(registry, *store_local(registry, path, model_name))
+
+
+def store_local(registry: Registry, path: Path, name: ModelName) -> tuple[ModelRecord, list[ModelFile]]:
+    """The record of the checkpoint at ``path`` and its files, copied into the blob store
+    (not registered yet); nothing is copied unless its metadata reads."""
     if not path.exists():
         raise LocalserveError(f"{path}: no such file or folder")
-    model_name = parse_name(name) if name else default_name(path)
     folder_files = None if path.is_file() else model_files(path)  # checked before anything is read
     checkpoint = open_checkpoint(path)
-    record = record_for(checkpoint, model_name, f"file:{path.resolve()}")
+    record = record_for(checkpoint, name, f"file:{path.resolve()}")
     sources = checkpoint.gguf.paths if folder_files is None else folder_files  # a split GGUF's parts too
     files = [ModelFile(source.name, registry.blobs.add_file(source), source.stat().st_size,
                        "weights" if path.is_file() else role_of(source.name) or "other") for source in sources]
-    return register(registry, record, files)
+    return record, files

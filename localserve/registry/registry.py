@@ -24,9 +24,13 @@ import sqlite_utils
 from ..errors import LocalserveError
 from .blobs import BlobStore, check_digest
 from .builtin import BUILTIN, BuiltinModel
+from .settings import ModelSettings
 from .names import ModelName, parse_name
 
-ROLES = ("weights", "config", "tokenizer", "template", "license", "other")
+ROLES = ("weights", "config", "tokenizer", "template", "license", "settings", "other")
+# A model's own defaults (a Modelfile's PARAMETER, SYSTEM, TEMPLATE, MESSAGE): settings.py.
+SETTINGS_FILE = "settings.json"
+MAX_SETTINGS_BYTES = 8 << 20
 
 
 class UnknownModelError(LocalserveError):
@@ -106,9 +110,8 @@ class Registry:
                                     pk=("model", "name"), foreign_keys=[("model", "models", "id")],
                                     if_not_exists=True)
             self.db["files"].create_index(["digest"], if_not_exists=True)
-        if new:  # a new registry starts with the built-in models
-            for model in BUILTIN.values():
-                self._add_builtin(model)
+        for model in BUILTIN.values():
+            self._refresh_builtin(model, new)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -134,16 +137,50 @@ class Registry:
     def _add_builtin(self, model: BuiltinModel) -> None:
         files = [ModelFile(path.name, self.blobs.add_file(path), path.stat().st_size, role)
                  for path, role in ((model.path, "weights"), (model.license_path, "license"))]
+        files.append(self.settings_file(model.settings))
         self.add(ModelRecord(
             name=model.name, format="gguf", architecture=model.architecture, quantization=model.quantization,
             parameters=model.parameters, active_parameters=model.parameters, context_length=model.context_length,
             size=sum(f.size for f in files), source=model.source, files=files, license=model.license))
+
+    def _refresh_builtin(self, model: BuiltinModel, new: bool) -> None:
+        """A new registry gets the built-in models; an older one gets their current files
+        and settings (a newer localserve's demo), unless the user replaced the name with
+        a model of their own (``localserve create demo``)."""
+        rows = list(self.db["models"].rows_where("id = ?", [str(model.name)]))
+        if new or (rows and rows[0]["source"] == model.source and not self._settings_are(rows[0], model.settings)):
+            self._add_builtin(model)
+
+    def _settings_are(self, row: dict[str, Any], settings: ModelSettings) -> bool:
+        try:
+            return self.settings(self._record(row)) == settings
+        except LocalserveError:
+            return False  # unreadable: replaced by the built-in's
 
     def _record(self, row: dict[str, Any]) -> ModelRecord:
         files = [ModelFile(f["name"], f["digest"], f["size"], f["role"])
                  for f in self.db["files"].rows_where("model = ?", [row["id"]], order_by="name")]
         fields = {key: value for key, value in row.items() if key not in ("id", "name", "tag")}
         return ModelRecord(name=ModelName(row["name"], row["tag"]), files=files, **fields)
+
+    def settings(self, record: ModelRecord) -> ModelSettings:
+        """The model's own defaults (none unless it was made with a Modelfile, or is built in)."""
+        stored = [f for f in record.files if f.role == "settings"]
+        if not stored:
+            return ModelSettings()
+        where = f"{record.name}'s settings"
+        if stored[0].size > MAX_SETTINGS_BYTES:
+            raise LocalserveError(f"{where}: {stored[0].size:,} bytes, more than settings take")
+        try:
+            data = self.blobs.path(stored[0].digest).read_bytes()
+        except OSError as exc:
+            raise LocalserveError(f"{where}: cannot read them ({exc})") from None
+        return ModelSettings.from_json(data, where)
+
+    def settings_file(self, settings: ModelSettings) -> ModelFile:
+        """``settings`` stored as a blob, as a model's file."""
+        data = settings.to_json()
+        return ModelFile(SETTINGS_FILE, self.blobs.add_bytes(data), len(data), "settings")
 
     def path(self, name: str | ModelName) -> Path:
         """The checkpoint path the engine opens (re-linked if its folder went missing)."""

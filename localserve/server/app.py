@@ -10,7 +10,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -21,7 +20,7 @@ from ..engine.stats import LoadProgress
 from . import admin_api, anthropic_api, embeddings, errors, ollama_api, ollama_models, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
-from .catalog import ModelCatalog
+from .catalog import CatalogEntry, ModelCatalog
 from .events import EventLog
 from .config import ServerConfig
 from .model_manager import Loader, ManagerOptions, ModelManager
@@ -38,20 +37,26 @@ def open_engine(config: ServerConfig) -> Loader:
     """The manager's loader: an AsyncEngine, which builds its Engine on its own thread
     (the calling worker thread waits for it), reporting into ``progress``."""
 
-    def load(name: str, path: Path, progress: LoadProgress) -> AsyncEngine:
+    def load(entry: CatalogEntry, progress: LoadProgress) -> AsyncEngine:
+        from dataclasses import replace
+
         from ..engine.engine import Engine
         from ..errors import InsufficientMemoryError
         from .footprint import memory_footprint
 
         import torch
 
+        # A model's own num_ctx (its Modelfile's) sets its context, in place of the server's.
+        engine_config = config.engine if entry.settings.context_length is None else \
+            replace(config.engine, max_model_len=entry.settings.context_length)
+
         def make_engine() -> Engine:
             try:
-                return Engine(path, config.engine, device=config.device, dtype=config.dtype, progress=progress)
+                return Engine(entry.path, engine_config, device=config.device, dtype=config.dtype, progress=progress)
             except torch.OutOfMemoryError as exc:
-                raise InsufficientMemoryError(f"{name}: out of device memory while loading ({exc})") from exc
+                raise InsufficientMemoryError(f"{entry.name}: out of device memory while loading ({exc})") from exc
 
-        return AsyncEngine(make_engine, config.max_queued_requests, name, memory_footprint)
+        return AsyncEngine(make_engine, config.max_queued_requests, entry.name, memory_footprint)
 
     return load
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import LocalserveError
 from ..registry import Registry, parse_name
+from ..registry.settings import ModelSettings
 
 
 class ModelNotFoundError(LocalserveError):
@@ -28,6 +29,7 @@ class CatalogEntry:
     path: Path  # what the engine opens
     version: str  # changes when the name comes to mean other files (a new pull)
     created: float  # seconds since the epoch, for /v1/models
+    settings: ModelSettings = ModelSettings()  # the model's own defaults (a Modelfile's)
 
 
 class ModelCatalog:
@@ -91,7 +93,7 @@ class ModelCatalog:
             return None
         version = ",".join(sorted(f.digest for f in record.files))
         created = _epoch(record.created)
-        return CatalogEntry(canonical, path, version, created)
+        return CatalogEntry(canonical, path, version, created, self.registry.settings(record))
 
     def names(self) -> list[str]:
         return sorted(self.sources) + self.registered()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -42,24 +42,37 @@ class Choice:
     params: SamplingParams
 
 
-def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int,
-                    seed_offset: int = 0, **extra: Any) -> SamplingParams:
-    """The engine's parameters for one choice; without a token limit, the rest of the context.
+def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int, seed_offset: int = 0,
+                    defaults: Mapping[str, Any] | None = None, **extra: Any) -> SamplingParams:
+    """The engine's parameters for one choice. A field the request leaves out takes its
+    value from ``defaults`` (the model's own, over the API's: Ollama's temperature 0.8),
+    else the OpenAI default; without a token limit, the rest of the context.
     ``extra``: further SamplingParams fields the endpoint worked out (a thinking budget,
     special tokens kept for a tool-call parser)."""
-    seed = None if body.seed is None else (body.seed + seed_offset) % (1 << 64)  # choices differ
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    defaults = defaults or {}
+    given = body.model_fields_set
+
+    def field(name: str, fallback: Any) -> Any:
+        value = getattr(body, name) if name in given else None
+        value = defaults.get(name) if value is None else value
+        return fallback if value is None else value
+
+    room = max(1, max_model_len - prompt_len)
+    seed = field("seed", None)
+    seed = None if seed is None else (seed + seed_offset) % (1 << 64)  # choices differ
+    stop = field("stop", [])
     fields: dict[str, Any] = dict(
-        max_tokens=body.wanted_tokens() or max(1, max_model_len - prompt_len),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
+        # a model's default length never asks for more than the context has left
+        max_tokens=body.wanted_tokens() or min(defaults.get("max_tokens", room), room),
+        temperature=field("temperature", 1.0),
+        top_p=field("top_p", 1.0),
+        top_k=field("top_k", 0),
+        min_p=field("min_p", 0.0),
+        repetition_penalty=field("repetition_penalty", 1.0),
+        presence_penalty=field("presence_penalty", 0.0),
+        frequency_penalty=field("frequency_penalty", 0.0),
         seed=seed,
-        stop=stop,
+        stop=[stop] if isinstance(stop, str) else list(stop),
         stop_token_ids=list(body.stop_token_ids or []),
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
@@ -74,10 +87,10 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
 
 
 def choices_for(body: GenerationRequest, prompts: list[list[int]], max_model_len: int,
-                **extra: Any) -> list[Choice]:
+                defaults: Mapping[str, Any] | None = None, **extra: Any) -> list[Choice]:
     """``body.n`` choices per prompt, numbered prompt-major as OpenAI does."""
     n = body.n
-    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, seed_offset=j, **extra))
+    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, j, defaults, **extra))
             for p, ids in enumerate(prompts) for j in range(n)]
 
 

@@ -25,7 +25,8 @@ from ..engine.memory import available_host_memory
 from ..engine.stats import LoadProgress
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..text.tokenizer import Tokenizer
-from .catalog import ModelCatalog
+from ..registry.settings import ModelSettings
+from .catalog import CatalogEntry, ModelCatalog
 from .config import DEFAULT_KEEP_ALIVE_S
 from .events import EventLog
 
@@ -44,7 +45,7 @@ MAX_KEEP_ALIVE_S = 10 * 365 * 24 * 3600
 
 
 # Builds a model's engine (on a worker thread), reporting how far it got.
-Loader = Callable[[str, Path, LoadProgress], AsyncEngine]
+Loader = Callable[[CatalogEntry, LoadProgress], AsyncEngine]
 
 
 class ModelUnavailableError(LocalserveError):
@@ -98,6 +99,7 @@ class LoadedModel:
     keep_alive: float = DEFAULT_KEEP_ALIVE_S
     expires_at: float | None = None  # monotonic; None while in use or kept forever
     active: int = 0  # requests being served
+    settings: ModelSettings = ModelSettings()  # its own defaults, under each request's fields
 
     _chat_template: ChatTemplate | None = field(default=None, init=False, repr=False)
     _description: dict[str, str] | None = field(default=None, init=False, repr=False)
@@ -150,7 +152,7 @@ class LoadedModel:
 
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:
-            self._chat_template = self.engine.engine.checkpoint.chat_template()
+            self._chat_template = self.engine.engine.checkpoint.chat_template(self.settings.template)
         return self._chat_template
 
     def description(self) -> dict[str, str]:
@@ -259,7 +261,7 @@ class ModelManager:
         if model is None:
             task = self._loading.get(name)
             if task is None:
-                task = asyncio.get_running_loop().create_task(self._load(name, entry.path, entry.version))
+                task = asyncio.get_running_loop().create_task(self._load(entry))
                 self._loading[name] = task
                 task.add_done_callback(lambda _: self._loading.pop(name, None))
             self.waiting[name] = self.waiting.get(name, 0) + 1
@@ -277,14 +279,15 @@ class ModelManager:
                 self._schedule_expiry(model)
         return model
 
-    async def _load(self, name: str, path: Path, version: str) -> LoadedModel:
-        progress = self.load_progress[name] = LoadProgress()
+    async def _load(self, entry: CatalogEntry) -> LoadedModel:
+        progress = self.load_progress[entry.name] = LoadProgress()
         try:
-            return await self._load_reporting(name, path, version, progress)
+            return await self._load_reporting(entry, progress)
         finally:
-            del self.load_progress[name]
+            del self.load_progress[entry.name]
 
-    async def _load_reporting(self, name: str, path: Path, version: str, progress: LoadProgress) -> LoadedModel:
+    async def _load_reporting(self, entry: CatalogEntry, progress: LoadProgress) -> LoadedModel:
+        name, path = entry.name, entry.path
         started = time.monotonic()
         progress.step("making room")
         while len(self.loaded) >= self.options.max_loaded_models:
@@ -292,14 +295,15 @@ class ModelManager:
         await self._make_room(path)
         while True:
             try:
-                engine = await asyncio.to_thread(self._open_engine, name, path, progress)
+                engine = await asyncio.to_thread(self._open_engine, entry, progress)
                 break
             except InsufficientMemoryError as exc:
                 await self._unload_lru_idle(str(exc))
             except Exception as exc:
                 self.events.add("load_failed", name, str(exc).splitlines()[0][:300] if str(exc) else repr(exc))
                 raise
-        model = LoadedModel(name, path, engine, version, keep_alive=self.options.default_keep_alive)
+        model = LoadedModel(name, path, engine, entry.version, keep_alive=self.options.default_keep_alive,
+                            settings=entry.settings)
         # What a load leaves (torch, the model, its tokenizer: millions of objects) lives as
         # long as the model: out of the collector's reach, so that a full collection does
         # not walk it all and stall the event loop for a tenth of a second mid-request.

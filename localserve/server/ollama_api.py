@@ -7,7 +7,8 @@ arguments as objects.
 A request is translated into the OpenAI chat request it means and run through the same
 path (openai_api.ChatPrompt and generate), so the two APIs render prompts, sample, and
 read thinking and tool calls alike. Ollama's ``options`` map onto the sampling fields;
-its defaults (temperature 0.8, top_k 40, top_p 0.9) apply where a request leaves them out.
+its defaults (temperature 0.8, top_k 40, top_p 0.9) apply where neither a request nor
+the model's own parameters (a Modelfile's) give them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..chat import reply as chat_reply
 from ..engine.output_processor import RequestOutput
 from ..engine.pooling import PoolingParams
 from ..errors import LocalserveError
+from ..registry.settings import request_fields
 from . import embeddings
 from . import generation as gen
 from .model_manager import LoadedModel, parse_keep_alive
@@ -36,8 +38,8 @@ from .state import state_of
 
 router = APIRouter()
 
-# Ollama's defaults for what a request's options leave out (llama.cpp's sampler defaults).
-# Its repeat_penalty of 1.1 over the last 64 tokens is left off: this server's repetition
+# Ollama's defaults for what a request's options and the model's parameters leave out
+# (llama.cpp's sampler defaults), as request fields. Its repeat_penalty of 1.1 over the last 64 tokens is left off: this server's repetition
 # penalty covers the whole context, which would penalise far more.
 DEFAULT_OPTIONS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 
@@ -64,18 +66,7 @@ def _templated(model: LoadedModel) -> bool:
 
 def sampling_fields(options: Options | None) -> dict[str, Any]:
     """Ollama's options as OpenAI request fields (with vLLM's extra sampling fields)."""
-    given = options.model_dump(exclude_none=True) if options is not None else {}
-    fields: dict[str, Any] = {**DEFAULT_OPTIONS}
-    for ours, theirs in (("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-                         ("repetition_penalty", "repeat_penalty"), ("presence_penalty", "presence_penalty"),
-                         ("frequency_penalty", "frequency_penalty"), ("seed", "seed"), ("stop", "stop")):
-        if theirs in given:
-            fields[ours] = given[theirs]
-    if given.get("num_predict", -1) >= 0:  # -1: until the context is full; -2: fill it
-        fields["max_tokens"] = max(1, given["num_predict"])
-    if fields.get("top_k") == 0:
-        fields.pop("top_k")
-    return fields
+    return request_fields(options.model_dump(exclude_none=True) if options is not None else {})
 
 
 def _format_fields(format: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -243,7 +234,7 @@ async def chat(request: Request, body: ChatBody) -> Response:
     load = _LoadTimer()
     return await generate(request, openai_body, load.around(prompt.prompts),
                           lambda model, choices: _Shaper(body.model, prompt.reply_format, True, False, load),
-                          prompt.sampling, OLLAMA_EVENTS)
+                          prompt.sampling, OLLAMA_EVENTS, DEFAULT_OPTIONS)
 
 
 @router.post("/api/generate")
@@ -278,7 +269,8 @@ async def generate_text(request: Request, body: GenerateBody) -> Response:
         return _Shaper(body.model, prompt.reply_format if templated else plain, False, not body.raw, load)
 
     load = _LoadTimer()
-    return await generate(request, openai_body, load.around(prompts), shaper, prompt.sampling, OLLAMA_EVENTS)
+    return await generate(request, openai_body, load.around(prompts), shaper, prompt.sampling, OLLAMA_EVENTS,
+                          DEFAULT_OPTIONS)
 
 
 @router.post("/api/embed")

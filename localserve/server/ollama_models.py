@@ -1,5 +1,5 @@
 """Ollama's model routes, shaped as Ollama documents them: ``/api/tags``, ``/api/show``,
-``/api/ps``, ``/api/pull`` (streamed progress), ``/api/delete``, ``/api/copy``,
+``/api/ps``, ``/api/pull`` (streamed progress), ``/api/create``, ``/api/delete``, ``/api/copy``,
 ``/api/version`` and ``/``. Where localserve's own tools read one of these routes
 (``/api/ps``, ``/api/version``) the answer is Ollama's with localserve's fields beside them.
 
@@ -16,7 +16,7 @@ import hashlib
 import json
 import platform
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .. import __version__
 from ..errors import LocalserveError
+from ..registry.modelfile import render_modelfile
 from .catalog import CatalogEntry
 from .model_manager import LoadedModel
-from .ollama_protocol import CopyRequest, ModelRequest, PullRequest
+from .ollama_protocol import CopyRequest, CreateRequest, ModelRequest, PullRequest
 from .state import state_of
 
 router = APIRouter()
@@ -149,10 +150,14 @@ async def tags(request: Request) -> dict[str, Any]:
 @router.post("/api/show")
 async def show(request: Request, body: ModelRequest) -> dict[str, Any]:
     entry, facts = await _entry_and_facts(request, body.model)
+    settings = entry.settings
+    if settings.template is not None:  # the model's own TEMPLATE, in place of the checkpoint's
+        facts = replace(facts, template=settings.template)
     arch = facts.architecture
-    return {
-        "modelfile": f"# localserve: {entry.name}\nFROM {entry.path}\n",
-        "parameters": "",
+    shown = {
+        "modelfile": render_modelfile(str(entry.path), settings, [], f"Modelfile of {entry.name}, as localserve "
+                                      "show --modelfile writes it"),
+        "parameters": "\n".join(settings.parameter_lines()),
         "template": facts.template or "",
         "license": facts.license or "",
         "details": _details(facts),
@@ -163,7 +168,46 @@ async def show(request: Request, body: ModelRequest) -> dict[str, Any]:
                        f"{arch}.attention.head_count_kv": facts.kv_heads},
         "capabilities": _capabilities(facts),
         "modified_at": iso(entry.created),
+        "settings": settings.as_dict(),  # localserve's: the same defaults as JSON (`localserve run` reads them)
     }
+    if settings.system is not None:
+        shown["system"] = settings.system
+    if settings.messages:
+        shown["messages"] = [dict(m) for m in settings.messages]
+    return shown
+
+
+@router.post("/api/create")
+async def create(request: Request, body: CreateRequest) -> Response:
+    """A model made from another with its own defaults: Ollama's fields (``from``,
+    ``parameters``, ``system``, ``template``, ``messages``, ``license``) or, from older
+    clients, a whole ``modelfile``; FROM is a registry name, or a file or folder on the
+    server's machine. The answer is Ollama's progress objects, streamed unless
+    ``stream`` is false."""
+    modelfile = body.modelfile_or_fields()
+    steps = ["parsing modelfile", "reading model metadata", "writing manifest"]
+
+    def run() -> None:
+        from ..registry.create import create_model
+
+        create_model(_registry(request), body.model, modelfile)
+
+    if not body.stream:
+        await asyncio.to_thread(run)
+        return JSONResponse({"status": "success"})
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        for step in steps[:2]:
+            yield {"status": step}
+        try:
+            await asyncio.to_thread(run)
+        except LocalserveError as exc:
+            yield {"error": str(exc)}
+            return
+        yield {"status": steps[2]}
+        yield {"status": "success"}
+
+    return ndjson(events())
 
 
 def _loaded_model(model: LoadedModel, entry: CatalogEntry | None, facts: ModelFacts | None) -> dict[str, Any]:

@@ -7,6 +7,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..errors import LocalserveError
+from ..registry.modelfile import Modelfile, parse_modelfile
+from ..registry.settings import ModelSettings
 from .protocol import MAX_EMBEDDING_INPUTS, MAX_MESSAGES, MAX_STOP, JsonSchema, KeepAlive, ModelField, Text
 
 
@@ -28,6 +31,39 @@ class ModelRequest(_Body):
 class PullRequest(ModelRequest):
     insecure: bool = False  # accepted: there is no registry of Ollama's to be insecure with
     stream: bool = True
+
+
+class CreateRequest(ModelRequest):
+    """``/api/create``: Ollama's fields, or an older client's whole Modelfile."""
+
+    model_config = ConfigDict(strict=False, extra="ignore", populate_by_name=True)
+
+    base: Annotated[str | None, Field(alias="from", max_length=4096)] = None
+    modelfile: Annotated[str, Field(max_length=4 << 20)] | None = None
+    parameters: dict[str, Any] | None = None
+    system: Text | None = None
+    template: Text | None = None
+    messages: Annotated[list[dict[str, Any]], Field(max_length=256)] | None = None
+    license: Text | Annotated[list[Text], Field(max_length=16)] | None = None
+    files: dict[str, Any] | None = None
+    adapters: dict[str, Any] | None = None
+    quantize: str | None = None
+    stream: bool = True
+
+    def modelfile_or_fields(self) -> Modelfile:
+        """What to make, checked (a LocalserveError says what is wrong)."""
+        if self.files or self.adapters:
+            raise LocalserveError("creating from uploaded files or adapters is not supported: name a model in the "
+                                  "registry (or a file on the server's machine) as `from`")
+        if self.quantize:
+            raise LocalserveError("quantize is not supported: pull the quantization you want")
+        if self.modelfile is not None:
+            return parse_modelfile(self.modelfile)
+        if not self.base:
+            raise LocalserveError("from: name the model to start from")
+        licenses = [self.license] if isinstance(self.license, str) else list(self.license or [])
+        settings = ModelSettings.checked(self.parameters, self.system, self.template, self.messages, "create")
+        return Modelfile(self.base, settings, licenses)
 
 
 class CopyRequest(_Body):

@@ -14,7 +14,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,10 +88,12 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool,
                  continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                  variables: dict[str, Any] | None = None) -> str:
-    """The prompt text; ``variables``: further template variables (``enable_thinking``, ...)."""
+    """The prompt text, the model's own system prompt and opening turns before the
+    messages; ``variables``: further template variables (``enable_thinking``, ...)."""
     model.check_prompt_chars(sum(len(m.text() or "") for m in messages))
     template = model.chat_template()
-    text = render_messages([m.plain() for m in messages], lambda plain, **how: template.render(
+    conversation = model.settings.conversation([m.plain() for m in messages])
+    text = render_messages(conversation, lambda plain, **how: template.render(
         plain, add_generation_prompt=add_generation_prompt, tools=tools, **(variables or {}), **how))
     if continue_final_message:
         # The reply continues the final assistant message: drop what the template
@@ -182,10 +184,12 @@ OPENAI_EVENTS = EventFormat(
 async def generate(request: Request, body: ChatCompletionRequest | CompletionRequest,
                    prompts: Callable[[LoadedModel], list[list[int]]],
                    shaper: Callable[[LoadedModel, list[gen.Choice]], Shaper],
-                   extra: dict[str, Any] | None = None, events: EventFormat = OPENAI_EVENTS) -> Response:
+                   extra: dict[str, Any] | None = None, events: EventFormat = OPENAI_EVENTS,
+                   defaults: Mapping[str, Any] | None = None) -> Response:
     """Acquire the model, run every choice, answer as one body or a stream of events;
     the model is released when the response ends, however it ends. ``extra``: SamplingParams
-    fields ``prompts`` works out as it renders (filled in by the time it returns)."""
+    fields ``prompts`` works out as it renders (filled in by the time it returns);
+    ``defaults``: the API's own request-field defaults, under the model's."""
     keep_alive = parse_keep_alive(body.keep_alive)
     state = state_of(request)
     model = await acquire(request, body.model)
@@ -195,7 +199,9 @@ async def generate(request: Request, body: ChatCompletionRequest | CompletionReq
             raise LocalserveError(f"{model.name!r} is an embedding model: it answers /v1/embeddings and /api/embed, "
                                   "not requests for text")
         # Rendering and tokenizing take time in proportion to the prompt: off the event loop.
-        choices = gen.choices_for(body, await asyncio.to_thread(prompts, model), model.max_model_len, **(extra or {}))
+        ids = await asyncio.to_thread(prompts, model)
+        choices = gen.choices_for(body, ids, model.max_model_len, {**(defaults or {}), **model.settings.request_fields()},
+                                  **(extra or {}))
         streams = await gen.start(model, choices)
         progress = [gen.Progress(state.metrics, model.name) for _ in streams]
         shape = shaper(model, choices)

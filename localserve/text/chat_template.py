@@ -441,20 +441,23 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer_config(cls, config: Mapping[str, Any], *,
-                              templates: Mapping[str, str] | None = None,
+                              templates: Mapping[str, str] | None = None, source: str | None = None,
                               **options: Any) -> ChatTemplate:
         """From the contents of an HF `tokenizer_config.json`.
 
         `chat_template` there is one string or a list of `{"name", "template"}` entries, of
         which "default" is used and "tool_use" (if present) serves renders with tools. Tokens
         are strings or serialized AddedTokens (`{"content": ...}`). `templates` (name to
-        source, from separate `.jinja` files) take precedence over the config's entries.
-        `options` go to the constructor (`max_output_chars`, `max_steps`).
+        source, from separate `.jinja` files) take precedence over the config's entries;
+        `source` (a Modelfile's TEMPLATE) replaces them all. `options` go to the
+        constructor (`max_output_chars`, `max_steps`).
         """
         if not isinstance(config, Mapping):
             raise LocalserveError("tokenizer_config.json must hold a JSON object")
         named = _named_templates(config.get("chat_template"))
         named.update(templates or {})
+        if source is not None:
+            named = {"default": source}
         if not named:
             raise LocalserveError(
                 "this model has no chat template (no chat_template in tokenizer_config.json "
@@ -472,7 +475,8 @@ class ChatTemplate:
         """From a checkpoint or tokenizer folder, as transformers finds templates there:
         `tokenizer_config.json`, overridden by `chat_template.jinja` (the default template)
         and `additional_chat_templates/NAME.jinja` (named ones) when present; an image-text
-        processor's `chat_template.json` when neither holds a default template."""
+        processor's `chat_template.json` when neither holds a default template. `source`
+        in `options` replaces them (with the folder's special tokens)."""
         folder = Path(path)
         config: Any = {}
         config_file = folder / "tokenizer_config.json"
