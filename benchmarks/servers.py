@@ -25,8 +25,14 @@ def free_port() -> int:
 
 @contextmanager
 def serving(command: list[str], ready_url: str, threads: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` until the block ends; ready once ``ready_url`` answers 200."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    """Run ``command`` until the block ends; ready once ``ready_url`` answers 200. It gets
+    the user's environment, without what importing localserve set for this process (its
+    OpenMP wait policy: llama-server uses libgomp too, and runs as its users run it; a
+    localserve server sets its own again)."""
+    from localserve.omp_wait import SET_HERE
+
+    env = {key: value for key, value in os.environ.items() if key not in SET_HERE}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                    cwd=Path(__file__).resolve().parents[1])

@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .omp_wait import share_cores
+
 __version__ = "0.1.0"
+
+share_cores()  # before torch loads its OpenMP runtime (omp_wait.py says why)
 
 # The Python API, imported on first use: `localserve list` or `ps` should not wait
 # for torch to load.

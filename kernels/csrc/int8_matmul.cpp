@@ -463,7 +463,10 @@ void int8_matmul_team(const MatmulJob* jobs, int64_t count, const float* x, int6
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < forms * x_rows; ++i) quantize_buffer_row(x, i % x_rows, s.forms[i / x_rows]);
   const int64_t tasks = s.task_start[count];
-#pragma omp for schedule(static)
+  // Handed out in chunks as threads come for them, not split in equal halves up front: on a
+  // machine where another program holds a core, the thread sharing it does less of the work
+  // instead of holding up the step (each output is one task's, so the bits do not change).
+#pragma omp for schedule(dynamic, 8)
   for (int64_t task = 0; task < tasks; ++task) {
     const int64_t i = std::upper_bound(s.task_start.begin(), s.task_start.end(), task) - s.task_start.begin() - 1;
     const MatmulJob& job = jobs[i];
