@@ -9,7 +9,7 @@
 #   --wheel PATH     the localserve wheel to package (default: built with PYTHON -m build)
 #   --torch SPEC     the torch to bundle, a pip requirement (default: torch, PyPI's CUDA build;
 #                    for CPU hosts e.g. --torch torch==2.13.0 --pip-args "--extra-index-url
-#                    https://download.pytorch.org/whl/cpu")
+#                    $TORCH_CPU_INDEX", PyTorch's CPU wheel index as pytorch.org's selector gives it)
 #   --pip-args ARGS  more arguments for pip (an index, --find-links to an offline wheelhouse)
 #
 # Prints the .deb's path. Runs as any user: dpkg-deb --root-owner-group makes root own the
