@@ -75,8 +75,8 @@ class DaemonClient:
 
     def stream_text(self, path: str, body: dict[str, Any]) -> Iterator[str]:
         """POST a streaming completion and yield each chunk's new text (a thinking model's
-        reasoning as ``Thinking`` pieces; ``Stopped`` last if the length limit ended it); closing the iterator closes the connection,
-        which cancels the request on the daemon."""
+        reasoning as ``Thinking`` pieces; ``Stopped`` last if the length limit ended it);
+        closing the iterator closes the connection, which cancels the request on the daemon."""
         try:
             with self.http.stream("POST", path, json={**body, "stream": True}) as response:
                 if response.status_code != 200:

@@ -70,6 +70,21 @@ def save(model: LlamaForCausalLM, path: Path, source: str) -> None:
     complete); ``source`` names what they were converted from."""
     if not storable(model):
         raise ValueError("this model holds weights the prepared layout does not store")
+    tensors, linears, experts = _stored(model)
+    metadata = {"format": FORMAT, "source": source, "linears": json.dumps(linears), "experts": json.dumps(experts)}
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes never share one
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
+    partial.replace(path)
+
+
+def mapped_tensors(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Every tensor a mapped model reads from its stored file: what ``save`` writes."""
+    return list(_stored(model)[0].values())
+
+
+def _stored(model: LlamaForCausalLM) -> tuple[dict[str, torch.Tensor], dict[str, list[dict]], dict[str, dict]]:
+    """What the layout holds: every tensor by its stored name, and the linears' and the
+    experts' tables (how each weight is stored)."""
     tensors: dict[str, torch.Tensor] = {}
     linears: dict[str, list[dict]] = {}
     for name, linear in _linears(model).items():
@@ -95,10 +110,7 @@ def save(model: LlamaForCausalLM, path: Path, source: str) -> None:
         experts[name] = entry
     for name, tensor in _plain_tensors(model).items():
         tensors[f"plain.{name}"] = tensor.detach()
-    metadata = {"format": FORMAT, "source": source, "linears": json.dumps(linears), "experts": json.dumps(experts)}
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # two processes never share one
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial), metadata=metadata)
-    partial.replace(path)
+    return tensors, linears, experts
 
 
 def _plain_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -114,23 +126,6 @@ def _plain_tensors(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
         for name, buffer in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
                 found[prefix + name] = buffer
-    return found
-
-
-def mapped_tensors(model: LlamaForCausalLM) -> list[torch.Tensor]:
-    """Every tensor a mapped model reads from its stored file: what ``save`` writes."""
-    found: list[torch.Tensor] = []
-    for linear in _linears(model).values():
-        for weight in linear.weights:
-            found += weight.stored()[1].values() if isinstance(weight, TiledWeight) else [weight]
-        if linear.bias is not None:
-            found.append(linear.bias)
-    for module in _experts(model).values():
-        assert module.mlp is not None
-        found += [t for stack in _expert_stacks(module.mlp).values()
-                  for t in stack.weight.stored()[1].values()]  # type: ignore[union-attr]
-        found += [getattr(module.mlp, bias) for bias in EXPERT_BIASES if getattr(module.mlp, bias) is not None]
-    found += [t.data for t in _plain_tensors(model).values()]
     return found
 
 

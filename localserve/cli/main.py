@@ -217,9 +217,10 @@ def _run_backend(model: str, device: str | None, dtype: str | None, options: dic
     from ..client import DaemonClient
     from ..engine.engine import Engine
     from ..registry import open_registry
+    from ..registry.settings import ModelSettings
     from .run_backends import LocalBackend, daemon_backend
 
-    path = Path(model).expanduser()
+    path, settings = Path(model).expanduser(), ModelSettings()
     if not path.exists():
         client = DaemonClient()
         if client.reachable() and (backend := daemon_backend(client, model)) is not None:
@@ -227,11 +228,10 @@ def _run_backend(model: str, device: str | None, dtype: str | None, options: dic
         registry = open_registry()
         record = registry.get(model)
         path, settings = registry.path(record.name), registry.settings(record)
-        config = engine_config(options)
-        if settings.context_length is not None and config.max_model_len is None:  # the model's num_ctx
-            config = dataclasses.replace(config, max_model_len=settings.context_length)
-        return LocalBackend(Engine(path, config, device=device, dtype=dtype), settings)
-    return LocalBackend(Engine(path, engine_config(options), device=device, dtype=dtype))
+    config = engine_config(options)
+    if settings.context_length is not None and config.max_model_len is None:  # the model's num_ctx, unless asked
+        config = dataclasses.replace(config, max_model_len=settings.context_length)
+    return LocalBackend(Engine(path, config, device=device, dtype=dtype), settings)
 
 
 def model_source(value: str) -> tuple[str, Path]:

@@ -153,7 +153,5 @@ def daemon_backend(client: DaemonClient, model: str) -> DaemonBackend | None:
             return None
         raise
     shown = client.post("/api/show", {"model": name})
-    stored = shown.get("settings") or {}
-    settings = ModelSettings.checked(stored.get("parameters"), stored.get("system"), stored.get("template"),
-                                     stored.get("messages"), f"{name}'s settings")
+    settings = ModelSettings.from_dict(shown.get("settings") or {}, f"{name}'s settings")
     return DaemonBackend(client, name, bool(shown.get("template")), settings)

@@ -10,7 +10,7 @@ from ..formats import Checkpoint, open_checkpoint
 from .checkpoint import model_info
 from ..registry import ModelRecord, open_registry
 from ..registry.local import model_files, role_of
-from ..registry.modelfile import render_modelfile
+from ..registry.modelfile import modelfile_of
 from ..registry.settings import ModelSettings
 
 _LICENSE_TEXT_LIMIT = 1 << 20
@@ -40,13 +40,13 @@ def model_facts(model: str) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         "created": record.created if record else None, "last_used": record.last_used if record else None,
         "template": template, "license": license, "license_text": license_text, "files": files,
         "settings": settings.as_dict(), "parameter_lines": settings.parameter_lines(),
-        "modelfile": render_modelfile(str(path), settings, [], f"Modelfile of {record.name if record else model}, "
-                                      "as localserve show --modelfile writes it"),
+        "modelfile": modelfile_of(str(record.name) if record else model, str(path), settings),
     }
     if record is not None:
         lines.insert(0, ("name", str(record.name)))
         lines.append(("source", record.source))
-    lines.append(("template", f"{len(template.splitlines())} line{'s' * (len(template.splitlines()) != 1)} (show --template prints it)" if template
+    count = len(template.splitlines()) if template else 0
+    lines.append(("template", f"{count} line{'s' * (count != 1)} (show --template prints it)" if template
                   else "none (prompts are completed as plain text)"))
     lines.append(("license", (license or "not declared") + (" (show --license prints it)" if license_text else "")))
     lines += [("defaults" if i == 0 else "", line) for i, line in enumerate(settings.parameter_lines())]

@@ -161,6 +161,12 @@ def _quoted(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def modelfile_of(name: str, base: str, settings: ModelSettings) -> str:
+    """What ``show --modelfile`` and ``/api/show`` give: a Modelfile that makes ``name``
+    from ``base`` (the checkpoint it opens) with its own settings."""
+    return render_modelfile(base, settings, [], f"Modelfile of {name}, as localserve show --modelfile writes it")
+
+
 def render_modelfile(base: str, settings: ModelSettings, licenses: list[str], title: str = "") -> str:
     """The Modelfile that makes a model with ``settings`` from ``base`` (``show --modelfile``);
     ``parse_modelfile`` reads it back to the same settings."""

@@ -93,6 +93,7 @@ class Registry:
         home.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(home / "blobs")
         self.links = home / "models"
+        self._settings: dict[str, ModelSettings] = {}  # by blob digest: a blob's content never changes
         # One connection, used by one thread at a time (the daemon's event loop, or the CLI).
         self.db = sqlite_utils.Database(sqlite3.connect(home / "registry.db", check_same_thread=False))
         self.db.enable_wal()
@@ -168,14 +169,16 @@ class Registry:
         stored = [f for f in record.files if f.role == "settings"]
         if not stored:
             return ModelSettings()
-        where = f"{record.name}'s settings"
-        if stored[0].size > MAX_SETTINGS_BYTES:
-            raise LocalserveError(f"{where}: {stored[0].size:,} bytes, more than settings take")
-        try:
-            data = self.blobs.path(stored[0].digest).read_bytes()
-        except OSError as exc:
-            raise LocalserveError(f"{where}: cannot read them ({exc})") from None
-        return ModelSettings.from_json(data, where)
+        digest, where = stored[0].digest, f"{record.name}'s settings"
+        if digest not in self._settings:  # read once: the daemon looks a model up at every request
+            if stored[0].size > MAX_SETTINGS_BYTES:
+                raise LocalserveError(f"{where}: {stored[0].size:,} bytes, more than settings take")
+            try:
+                data = self.blobs.path(digest).read_bytes()
+            except OSError as exc:
+                raise LocalserveError(f"{where}: cannot read them ({exc})") from None
+            self._settings[digest] = ModelSettings.from_json(data, where)
+        return self._settings[digest]
 
     def settings_file(self, settings: ModelSettings) -> ModelFile:
         """``settings`` stored as a blob, as a model's file."""

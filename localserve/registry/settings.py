@@ -178,6 +178,11 @@ class ModelSettings:
             stored = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise LocalserveError(f"{where}: not JSON ({exc})") from None
+        return cls.from_dict(stored, where)
+
+    @classmethod
+    def from_dict(cls, stored: Any, where: str) -> ModelSettings:
+        """What ``as_dict`` wrote, checked (a stored blob, or ``/api/show``'s ``settings``)."""
         if not isinstance(stored, dict):
             raise LocalserveError(f"{where}: not a JSON object")
         return cls.checked(stored.get("parameters"), stored.get("system"), stored.get("template"),

@@ -39,8 +39,9 @@ from .state import state_of
 router = APIRouter()
 
 # Ollama's defaults for what a request's options and the model's parameters leave out
-# (llama.cpp's sampler defaults), as request fields. Its repeat_penalty of 1.1 over the last 64 tokens is left off: this server's repetition
-# penalty covers the whole context, which would penalise far more.
+# (llama.cpp's sampler defaults), as request fields. Its repeat_penalty of 1.1 over the
+# last 64 tokens is left off: this server's repetition penalty covers the whole context,
+# which would penalise far more.
 DEFAULT_OPTIONS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 
 

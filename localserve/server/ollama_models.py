@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .. import __version__
 from ..errors import LocalserveError
-from ..registry.modelfile import render_modelfile
+from ..registry.modelfile import modelfile_of
 from .catalog import CatalogEntry
 from .model_manager import LoadedModel
 from .ollama_protocol import CopyRequest, CreateRequest, ModelRequest, PullRequest
@@ -155,8 +155,7 @@ async def show(request: Request, body: ModelRequest) -> dict[str, Any]:
         facts = replace(facts, template=settings.template)
     arch = facts.architecture
     shown = {
-        "modelfile": render_modelfile(str(entry.path), settings, [], f"Modelfile of {entry.name}, as localserve "
-                                      "show --modelfile writes it"),
+        "modelfile": modelfile_of(entry.name, str(entry.path), settings),
         "parameters": "\n".join(settings.parameter_lines()),
         "template": facts.template or "",
         "license": facts.license or "",
