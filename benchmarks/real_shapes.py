@@ -21,6 +21,12 @@ Workloads (each system started in turn, one at a time, with the same thread coun
   workload); output tokens/s. llama-server runs with ``-np N -c N*ctx``.
 * ``prefix``: 32 clients whose prompts share a 512-token system prompt, then 32 own
   tokens, 32 out; output tokens/s.
+* ``pp8k``: prompt processing of one 8,000-token prompt, offline (llama.cpp with flash
+  attention); tokens/s.
+* ``8k``: one client, 8,000 in / 64 out, through each server: TPOT at 8k of context (and the
+  prompt's tokens/s from the time to the first token, in the extras).
+
+llama-server runs with flash attention on (``-fa on``); both keep K and V in fp16.
 
 Every server's peak RSS (VmHWM) is recorded, and how long its first request (16 in, 8 out) takes
 once it reports ready with the model loaded. With --repeats R each workload runs R times,
@@ -286,7 +292,7 @@ def quantize(source: Path, target: Path, ftype: str) -> None:
 class Sample:
     system: str
     workload: str
-    value: float  # the workload's headline figure (tokens/s, or TPOT in ms for "one")
+    value: float  # the workload's headline figure (tokens/s, or TPOT in ms: LOWER_IS_BETTER)
     extra: dict = field(default_factory=dict)
 
 
@@ -295,32 +301,33 @@ def prompt_ids(vocab: int, count: int, length: int, seed: int, shared: list[int]
     return [[1, *(shared or []), *rng.integers(260, vocab, length - 1).tolist()] for _ in range(count)]
 
 
-def pp512_localserve(path: Path, threads: int) -> float:
+def prompt_localserve(path: Path, threads: int, length: int) -> float:
+    """Prompt tokens/s of one ``length``-token prompt, in 512-token chunks (the CPU default)."""
     from localserve import LLM, SamplingParams
 
-    llm = LLM(path, device="cpu", num_kv_blocks=64, max_num_batched_tokens=512, threads=threads,
+    llm = LLM(path, device="cpu", num_kv_blocks=length // 16 + 8, max_num_batched_tokens=512, threads=threads,
               enable_prefix_caching=False)
     vocab = llm.engine.spec.vocab_size
     llm.generate(prompt_ids(vocab, 1, 64, seed=1), SamplingParams(max_tokens=1))  # warm-up
-    [prompt] = prompt_ids(vocab, 1, 512, seed=2)
+    [prompt] = prompt_ids(vocab, 1, length, seed=2)
     start = time.perf_counter()
     llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))
-    return 512 / (time.perf_counter() - start)
+    return length / (time.perf_counter() - start)
 
 
-def pp512_llama_cpp(path: Path, threads: int, vocab: int) -> float:
+def prompt_llama_cpp(path: Path, threads: int, vocab: int, length: int) -> float:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=length + 512, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, flash_attn=True, verbose=False)
     llm.eval(prompt_ids(vocab, 1, 64, seed=1)[0])
     llm.reset()
-    [prompt] = prompt_ids(vocab, 1, 512, seed=2)
+    [prompt] = prompt_ids(vocab, 1, length, seed=2)
     start = time.perf_counter()
     llm.eval(prompt)
     elapsed = time.perf_counter() - start
     llm.close()
-    return 512 / elapsed
+    return length / elapsed
 
 
 def offline_tpot_localserve(path: Path, threads: int) -> float:
@@ -368,7 +375,7 @@ def llama_server_command(path: Path, port: int, threads: int, clients: int, ctx:
         raise SystemExit("llama-server is not built: run python benchmarks/llama_server.py first")
     slots = max(clients, 1)
     return [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-            "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--no-webui", "-a", "bench"]
+            "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "-fa", "on", "--no-webui", "-a", "bench"]
 
 
 def kv_bytes_per_token(path: Path) -> int:
@@ -379,7 +386,7 @@ def kv_bytes_per_token(path: Path) -> int:
     layers, kv_heads = int(meta[f"{arch}.block_count"]), int(meta[f"{arch}.attention.head_count_kv"])
     head_dim = int(meta.get(f"{arch}.attention.key_length") or
                    int(meta[f"{arch}.embedding_length"]) // int(meta[f"{arch}.attention.head_count"]))
-    return 2 * layers * kv_heads * head_dim * 4  # fp32 K and V on the CPU
+    return 2 * layers * kv_heads * head_dim * 2  # fp16 K and V: the CPU's default for a quantized GGUF
 
 
 def peak_rss(pid: int) -> int:
@@ -408,8 +415,12 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
 
     tokenizer = load_tokenizer(str(path))
     vocab = tokenizer.vocab_size
+    warmups = 1
     if workload == "one":
         clients, prompts, output = 1, prompt_ids(vocab, 4, 128, seed=3), 64
+    elif workload == "8k":
+        # No warm-up copy: it would put the prompt in the prefix cache of both servers.
+        clients, prompts, output, warmups = 1, prompt_ids(vocab, 1, 8000, seed=6), 64, 0
     elif workload == "prefix":
         shared = np.random.default_rng(9).integers(260, vocab, 511).tolist()
         clients, prompts, output = 32, prompt_ids(vocab, 32, 33, seed=4, shared=shared), 32
@@ -427,7 +438,7 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
     with serving(command, ready, args.threads, workdir / f"{system}.log") as process:
         first_request_s = time_first_request(url, tokenizer.decode(prompts[0][1:17]))
         config = BenchConfig(url=url, model="bench", num_prompts=len(requests), max_concurrency=clients,
-                             ignore_eos=True, num_warmups=1, api_key="bench")
+                             ignore_eos=True, num_warmups=warmups, api_key="bench")
         result = asyncio.run(arun_benchmark(config, tokenizer=tokenizer, requests=requests))
         rss = peak_rss(process.pid)
     m = result.metrics
@@ -435,19 +446,21 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
         log = (workdir / f"{system}.log").read_text(errors="replace")[-2000:]
         raise SystemExit(f"{system}: {m.failed} of {len(requests)} requests failed; its log ends:\n{log}")
     tpot = m.latencies["tpot"].median if "tpot" in m.latencies else float("nan")
-    value = tpot if workload == "one" else m.output_throughput
+    ttft = m.latencies["ttft"].median
+    value = tpot if workload in LOWER_IS_BETTER else m.output_throughput
     return Sample(system, workload, value, {"first_request_s": first_request_s,
                                             "output_tps": m.output_throughput, "tpot_ms": tpot, "rss": rss,
-                                            "failed": m.failed, "ttft_ms": m.latencies["ttft"].median})
+                                            "failed": m.failed, "ttft_ms": ttft,
+                                            "prompt_tps": len(prompts[0]) / (ttft / 1000)})
 
 
 def measure(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path) -> Sample:
-    if workload == "pp512":
+    if workload in PROMPT_LENGTHS:
         from localserve.bench.tokenizer import load_tokenizer
 
-        vocab = load_tokenizer(str(path)).vocab_size
-        value = pp512_localserve(path, args.threads) if system == "localserve" else \
-            pp512_llama_cpp(path, args.threads, vocab)
+        vocab, length = load_tokenizer(str(path)).vocab_size, PROMPT_LENGTHS[workload]
+        value = prompt_localserve(path, args.threads, length) if system == "localserve" else \
+            prompt_llama_cpp(path, args.threads, vocab, length)
         return Sample(system, workload, value)
     if workload == "offline":
         from localserve.bench.tokenizer import load_tokenizer
@@ -461,9 +474,10 @@ def measure(system: str, path: Path, workload: str, args: argparse.Namespace, wo
 
 # -- report -----------------------------------------------------------------------------------
 
-LOWER_IS_BETTER = {"one", "offline"}  # TPOT in ms
+LOWER_IS_BETTER = {"one", "offline", "8k"}  # TPOT in ms
 UNITS = {"pp512": "prompt tok/s", "one": "TPOT ms", "offline": "TPOT ms", "16": "output tok/s", "32": "output tok/s",
-         "prefix": "output tok/s"}
+         "prefix": "output tok/s", "pp8k": "prompt tok/s", "8k": "TPOT ms"}
+PROMPT_LENGTHS = {"pp512": 512, "pp8k": 8000}  # the offline prompt workloads
 SYSTEMS = ("localserve", "llama.cpp")
 
 

@@ -110,6 +110,29 @@ def test_a_row_is_the_same_however_its_prompt_was_chunked() -> None:
     assert torch.equal(decodes, expected)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_the_thread_count_changes_no_bit(cache_dtype: torch.dtype) -> None:
+    """Work is split by rows, and by KV heads where there are few rows (one long decode):
+    any split gives the same bits, over many tiles of keys and a window that starts mid-tile."""
+    from localserve.kernels import cpu_library
+
+    batch = Batch([(1, 300), (70, 300)], num_heads=16, num_kv_heads=8, head_dim=64, block_size=16,
+                  cache_dtype=cache_dtype)
+    batch.write_with_reference()
+    results = []
+    try:
+        for threads in (1, 2, 3, 8):
+            cpu_library.set_threads(threads)
+            results.append([attention_cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta,
+                                                          batch.scale, window=window) for window in (None, 37)])
+    finally:
+        cpu_library.set_threads(torch.get_num_threads())
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    assert_close(results[0][0], batch.reference())
+    assert_close(results[0][1], batch.reference(37))
+
+
 def test_out_of_range_block_ids_are_refused() -> None:
     batch = Batch(DECODES, num_heads=4, num_kv_heads=2, head_dim=16)
     meta = batch.meta

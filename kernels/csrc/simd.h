@@ -6,7 +6,10 @@
 // or_bits(codes, plane, shift, mask): codes with ((plane >> shift) & mask) << 4 added in
 // each byte (the top bits of 5- and 6-bit codes, kept in a plane of their own).
 //
-// reduce(v): the sum of v's lanes, in one fixed order.
+// reduce(v): the sum of v's lanes, in one fixed order; reduce_max(v): their largest.
+//
+// exp(v): e to each lane (Cephes' range reduction and polynomial, within 2 ulp of expf for
+// the inputs attention gives it, x <= 0); a lane below -87.3 (so -inf too) is exactly 0.
 //
 // dot(acc, w, x4): each 32-bit lane of acc plus the dot product of its four code bytes
 // (unsigned) with the four int8 values of x4 (one 32-bit word, the same for every lane).
@@ -85,6 +88,34 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
 }
 
+// exp(x) = 2^n * e^r with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in two parts, so r is
+// exact), e^r = 1 + r + r^2 * P(r): Cephes' expf constants.
+namespace exp_constants {
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+constexpr float kMin = -87.3f, kMax = 88.3762626647949f;
+}  // namespace exp_constants
+
+// The same steps on any vector type: only rounding, the power of two and the zeroing of
+// lanes below kMin differ by instruction set.
+template <typename S>
+inline typename S::F exp_lanes(typename S::F x) {
+  using namespace exp_constants;
+  const typename S::F clamped = S::minf(x, S::set1f(kMax));
+  const typename S::F n = S::round(S::mul(clamped, S::set1f(kLog2e)));
+  typename S::F r = S::fnmadd(n, S::set1f(kLn2High), clamped);
+  r = S::fnmadd(n, S::set1f(kLn2Low), r);
+  typename S::F poly = S::set1f(kP0);
+  poly = S::fmadd(poly, r, S::set1f(kP1));
+  poly = S::fmadd(poly, r, S::set1f(kP2));
+  poly = S::fmadd(poly, r, S::set1f(kP3));
+  poly = S::fmadd(poly, r, S::set1f(kP4));
+  poly = S::fmadd(poly, r, S::set1f(kP5));
+  const typename S::F e_r = S::add(S::fmadd(poly, S::mul(r, r), r), S::set1f(1.0f));
+  return S::zero_below(S::mul(e_r, S::pow2(n)), x, kMin);
+}
+
 #if defined(LS_AVX512)
 constexpr const char* kVariant = "avx512_vnni";
 struct Simd {
@@ -128,6 +159,17 @@ struct Simd {
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   static float reduce(F v) { return _mm512_reduce_add_ps(v); }
+  static F maxf(F a, F b) { return _mm512_max_ps(a, b); }
+  static F minf(F a, F b) { return _mm512_min_ps(a, b); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static F round(F v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static F zero_below(F v, F x, float floor) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(floor), _CMP_GE_OQ), v);
+  }
+  static F exp(F x) { return exp_lanes<Simd>(x); }
 };
 #elif defined(LS_AVX2)
 constexpr const char* kVariant = "avx2";
@@ -195,6 +237,21 @@ struct Simd {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
   }
+  static F maxf(F a, F b) { return _mm256_max_ps(a, b); }
+  static F minf(F a, F b) { return _mm256_min_ps(a, b); }
+  static float reduce_max(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
+  static F round(F v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static F zero_below(F v, F x, float floor) {
+    return _mm256_and_ps(v, _mm256_cmp_ps(x, _mm256_set1_ps(floor), _CMP_GE_OQ));
+  }
+  static F exp(F x) { return exp_lanes<Simd>(x); }
 };
 #else
 constexpr const char* kVariant = "generic";
@@ -259,6 +316,23 @@ struct Simd {
       for (int l = 0; l < width; ++l) v.v[l] += v.v[l + width];
     return v.v[0];
   }
+  static F maxf(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] = a.v[l] > b.v[l] ? a.v[l] : b.v[l]; return a; }
+  static F minf(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] = a.v[l] < b.v[l] ? a.v[l] : b.v[l]; return a; }
+  static float reduce_max(F v) { float m = v.v[0]; for (float e : v.v) m = e > m ? e : m; return m; }
+  static F round(F v) { for (auto& e : v.v) e = std::nearbyint(e); return v; }
+  static F pow2(F n) {
+    for (auto& e : n.v) {  // n clamped first: a float outside int's range (or NaN) does not convert
+      const float c = e > -127.0f ? (e < 128.0f ? e : 128.0f) : -127.0f;
+      const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(c) + 127) << 23;
+      std::memcpy(&e, &bits, sizeof e);
+    }
+    return n;
+  }
+  static F zero_below(F v, F x, float floor) {
+    for (int l = 0; l < kLanes; ++l) v.v[l] = x.v[l] >= floor ? v.v[l] : 0.0f;
+    return v;
+  }
+  static F exp(F x) { return exp_lanes<Simd>(x); }
 };
 #endif
 

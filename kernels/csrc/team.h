@@ -55,12 +55,18 @@ void int8_matmul_team(const MatmulJob* jobs, int64_t count, const float* x, int6
 // out = x [rows, k] @ w [n, k].T for a dense fp32 weight (ls_dense_matmul's sums).
 void dense_matmul_team(const float* w, int64_t n, int64_t k, const float* x, int64_t rows, const Output& out);
 
-// ls_paged_attention's work; row_seq and row_pos are shared scratch.
+// One item of ls_paged_attention's work: rows [first_row, first_row + rows) of sequence seq
+// (positions from position0 on), for the query heads of KV heads kv_head..kv_head + kv_count.
+struct AttentionItem {
+  int64_t seq, kv_head, kv_count, first_row, rows, position0;
+};
+// ls_paged_attention's work list (shared) and each thread's tiles.
 struct AttentionScratch {
   struct Thread {
-    std::vector<float> scores, acc;
+    std::vector<float> keys, keys_t, values, scores, out, peak, total, rescale;
+    std::vector<const float*> queries;
   };
-  std::vector<int64_t> row_seq, row_pos;
+  std::vector<AttentionItem> items;
   std::vector<Thread> per_thread;  // by thread number
 };
 void paged_attention_team(const float* query, int64_t tokens, int64_t heads, int64_t dim, const void* k_cache,
