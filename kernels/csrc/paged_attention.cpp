@@ -161,8 +161,9 @@ struct Keys {
 // The tile's keys and values of one KV head, widened: positions begin..end of the tile that
 // starts at `tile`; the rest zero (their weights are 0).
 template <typename Kv>
-void load_tile(const Keys& keys, int64_t tile, int64_t begin, int64_t end, int64_t kv_offset, int64_t dim,
+void load_tile(const Keys& keys, int64_t tile, int64_t begin, int64_t end, int64_t stop, int64_t kv_offset, int64_t dim,
                int64_t padded, const typename Kv::T* k_cache, const typename Kv::T* v_cache, AttentionScratch::Thread& t) {
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(typename Kv::T));
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t pos = tile + j;
     float* key = t.keys.data() + j * padded;
@@ -171,6 +172,13 @@ void load_tile(const Keys& keys, int64_t tile, int64_t begin, int64_t end, int64
       std::fill(key, key + padded, 0.0f);
       std::fill(value, value + padded, 0.0f);
       continue;
+    }
+    // The same head's rows a tile ahead (up to `stop`, the item's last key) are asked for
+    // now, one position at a time: a position's rows lie a token's K/V row apart, often in
+    // another page, too far apart for the hardware prefetchers.
+    if (pos + kKeys < stop) {
+      prefetch(k_cache + keys.slot(pos + kKeys, kv_offset), row_bytes);
+      prefetch(v_cache + keys.slot(pos + kKeys, kv_offset), row_bytes);
     }
     widen_row<Kv>(k_cache + keys.slot(pos, kv_offset), key, dim, padded);
     widen_row<Kv>(v_cache + keys.slot(pos, kv_offset), value, dim, padded);
@@ -217,7 +225,6 @@ void attend_item(const AttentionItem& item, const float* query, int64_t heads, i
   const Keys keys{block_tables + item.seq * max_blocks, block_size, block_size * token_stride, token_stride, window};
   const int64_t padded = (dim + kLanes - 1) / kLanes * kLanes, per_head = item.rows * group;
   const int64_t vectors = per_head * item.kv_count;
-  const int64_t row_bytes = item.kv_count * dim * static_cast<int64_t>(sizeof(typename Kv::T));  // the item's heads
   t.keys.resize(kKeys * padded);
   t.keys_t.resize(kKeys * padded);
   t.values.resize(kKeys * padded);
@@ -235,15 +242,9 @@ void attend_item(const AttentionItem& item, const float* query, int64_t heads, i
   const int64_t last = item.position0 + item.rows - 1, lo = keys.first(item.position0);
   for (int64_t tile = lo / kKeys * kKeys; tile <= last; tile += kKeys) {
     const int64_t begin = std::max(lo, tile), end = std::min(last + 1, tile + kKeys);
-    // The next tile's rows are asked for now: a position's rows lie a token's K/V row apart,
-    // often in another page, too far apart for the hardware prefetchers.
-    for (int64_t pos = tile + kKeys; pos < std::min(last + 1, tile + 2 * kKeys); ++pos) {
-      prefetch(k_cache + keys.slot(pos, item.kv_head * dim), row_bytes);
-      prefetch(v_cache + keys.slot(pos, item.kv_head * dim), row_bytes);
-    }
     // KV heads inner: a position's rows of the item's heads lie side by side in the cache.
     for (int64_t head = 0; head < item.kv_count; ++head) {
-      load_tile<Kv>(keys, tile, begin, end, (item.kv_head + head) * dim, dim, padded, k_cache, v_cache, t);
+      load_tile<Kv>(keys, tile, begin, end, last + 1, (item.kv_head + head) * dim, dim, padded, k_cache, v_cache, t);
       const int64_t v0 = head * per_head;
       const float* const* queries = t.queries.data() + v0;
       float* scores = t.scores.data();
