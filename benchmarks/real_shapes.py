@@ -438,7 +438,8 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
     with serving(command, ready, args.threads, workdir / f"{system}.log") as process:
         first_request_s = time_first_request(url, tokenizer.decode(prompts[0][1:17]))
         config = BenchConfig(url=url, model="bench", num_prompts=len(requests), max_concurrency=clients,
-                             ignore_eos=True, num_warmups=warmups, api_key="bench")
+                             ignore_eos=True, num_warmups=warmups, api_key="bench",
+                             request_timeout=3600.0)  # an 8k prompt at 8B: 15-30 min to its first token
         result = asyncio.run(arun_benchmark(config, tokenizer=tokenizer, requests=requests))
         rss = peak_rss(process.pid)
     m = result.metrics
