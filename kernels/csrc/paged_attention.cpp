@@ -1,13 +1,14 @@
 // Paged attention on the CPU: each new row attends to its cached keys and values where
 // they lie, block by block, with no gather into a contiguous copy.
 //
-// Flash attention's order of work, in tiles: an item of work is one sequence's KV head and
-// up to kQueryVectors of its query vectors (consecutive rows times the query heads that share
-// the KV head, GQA). The item walks the keys kKeys at a time: the tile's keys and values are
-// widened to fp32 once (keys transposed, so a query meets kKeys keys in one vector step),
-// every query vector of the item scores them, an online softmax (a running maximum and sum
-// per query, in fp32) weighs them, and the weighted values are added to the query's output.
-// A prompt's rows thus share each key and value read, and each step is a vector operation.
+// Flash attention's order of work, in tiles: an item of work is up to kQueryVectors / group
+// consecutive rows of one sequence (times the `group` query heads that share a KV head, GQA)
+// and one or more of its KV heads. For each KV head, the item walks the keys kKeys at a time:
+// the tile's keys and values are widened to fp32 once (keys transposed, so a query meets
+// kKeys keys in one vector step), every query vector of the head scores them, an online
+// softmax (a running maximum and sum per query, in fp32) weighs them, and the weighted values
+// are added to the query's output. A prompt's rows thus share each key and value read, and
+// each step is a vector operation.
 //
 // A row's result is the same bits whatever shares its item or its step: a row meets the
 // tiles of absolute positions (0-15, 16-31, ...) from its first key to itself, each lane
@@ -84,7 +85,8 @@ void transpose_keys(const float* keys, int64_t padded, float* keys_t) {
           r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
           r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
         }
-        // r[0..3]: columns 0, 1, 2, 3 of rows 0-3 (low half) and of 4-7... per 128-bit half.
+        // Now r[i] (i < 4) holds column i of rows 0-3 in its low half and column i + 4 of
+        // rows 0-3 in its high half; r[i + 4] the same of rows 4-7.
         for (int i = 0; i < 4; ++i) {
           _mm256_storeu_ps(keys_t + (d + i) * kKeys + j, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
           _mm256_storeu_ps(keys_t + (d + i + 4) * kKeys + j, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
