@@ -197,11 +197,9 @@ void weigh_tile(float* s, int64_t from, int64_t to, float softcap, float& peak, 
   std::fill(s, s + from, -INFINITY);
   std::fill(s + to, s + kKeys, -INFINITY);
   Simd::F lanes[kScoreVectors];
-  Simd::F largest = Simd::loadf(s);
-  for (int64_t i = 0; i < kScoreVectors; ++i) {
-    lanes[i] = Simd::loadf(s + i * kLanes);
-    largest = Simd::maxf(largest, lanes[i]);
-  }
+  for (int64_t i = 0; i < kScoreVectors; ++i) lanes[i] = Simd::loadf(s + i * kLanes);
+  Simd::F largest = lanes[0];
+  for (int64_t i = 1; i < kScoreVectors; ++i) largest = Simd::maxf(largest, lanes[i]);
   const float new_peak = std::max(peak, Simd::reduce_max(largest));
   const Simd::F shift = Simd::set1f(new_peak), one = Simd::set1f(1.0f);
   Simd::F sum = Simd::zerof();
@@ -236,10 +234,11 @@ void attend_item(const AttentionItem& item, const float* query, int64_t heads, i
   t.total.assign(vectors, 0.0f);
   t.rescale.resize(vectors);
   t.queries.resize(vectors);
-  for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t h = item.kv_head + v / per_head, r = v % per_head / group, g = v % group;
-    t.queries[v] = query + ((item.first_row + r) * heads + h * group + g) * dim;
-  }
+  // Query vector v's (row, head) in the step's [rows, heads] layout, which the output shares.
+  auto row_head = [&](int64_t v) {
+    return (item.first_row + v % per_head / group) * heads + (item.kv_head + v / per_head) * group + v % group;
+  };
+  for (int64_t v = 0; v < vectors; ++v) t.queries[v] = query + row_head(v) * dim;
 
   const int64_t last = item.position0 + item.rows - 1, lo = keys.first(item.position0);
   for (int64_t tile = lo / kKeys * kKeys; tile <= last; tile += kKeys) {
@@ -276,16 +275,15 @@ void attend_item(const AttentionItem& item, const float* query, int64_t heads, i
   }
 
   for (int64_t v = 0; v < vectors; ++v) {
-    const int64_t h = item.kv_head + v / per_head, r = v % per_head / group, g = v % group;
     float factor = 1.0f, total = t.total[v];
     if (sinks != nullptr) {  // a sink is one more logit in the softmax, with no value to weigh
-      const float sink = sinks[h * group + g], peak = std::max(t.peak[v], sink);
+      const float sink = sinks[row_head(v) % heads], peak = std::max(t.peak[v], sink);
       factor = std::exp(t.peak[v] - peak);
       total = total * factor + std::exp(sink - peak);
     }
     const float weight = factor / total;
     const float* o = t.out.data() + v * padded;
-    float* dst = out + ((item.first_row + r) * heads + h * group + g) * dim;
+    float* dst = out + row_head(v) * dim;
     for (int64_t d = 0; d < dim; ++d) dst[d] = o[d] * weight;
   }
 }
