@@ -163,7 +163,9 @@ def for_int8_kernel(weight: QuantWeight) -> QuantWeight | TiledWeight:
 def can_tile(weight: QuantWeight) -> bool:
     """Whether ``tile`` takes this weight: an ``int8_block`` (GGUF's quantized types), a
     constant zero point, the mins form or a 4-bit codebook of small integers times a power
-    of two (the IQ types, MXFP4), fp16-exact scales and mins, no act-order."""
+    of two (the IQ types, MXFP4), fp16-exact scales and mins, no act-order; two-level
+    scales in super-blocks of an even number of groups that are the int8 block (the
+    K-quants and IQ4_XS: 256 inputs)."""
     block, group = weight.int8_block, weight.group_size
     if weight.codebook is not None and _levels(weight.codebook) is None:
         return False
@@ -176,6 +178,10 @@ def can_tile(weight: QuantWeight) -> bool:
             return False
     two_level = weight.super_scales is not None
     if two_level:
+        # The kernel sums a super-block's groups in integers (exact within 256 inputs) two
+        # groups at a time, and applies the row's scale once per super-block.
+        if not (weight.groups_per_super % 2 == 0 and group * weight.groups_per_super == block <= 256):
+            return False
         sub = weight.scales
         if sub.dtype not in (torch.int8, torch.uint8) or (sub.dtype == torch.uint8 and int(sub.max()) > 127):
             return False

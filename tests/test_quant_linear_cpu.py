@@ -248,6 +248,16 @@ def test_only_gguf_style_weights_are_tiled() -> None:
     thirds = make_gguf_like(4, 32, "codebook", 32)
     thirds.codebook = thirds.codebook / 3
     assert not can_tile(thirds)
+    # Two levels: the kernel sums a super-block of an even number of groups in integers,
+    # one super-block per int8 block of x.
+    k_quant = make_gguf_like(4, 32, "mins", 256)
+    assert can_tile(k_quant) and k_quant.groups_per_super == 8
+    odd = make_gguf_like(4, 32, "mins", 256, k=768)
+    odd.groups_per_super, odd.int8_block = 3, 96  # super-blocks of three groups
+    assert not can_tile(odd)
+    super_past_block = make_gguf_like(4, 32, "mins", 256)
+    super_past_block.int8_block = 128
+    assert not can_tile(super_past_block)
 
 
 def test_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,7 +43,7 @@ struct ls_tiled_weight {
   int64_t n, k;
   int32_t bits;              // 2 to 6: low four bits as nibbles (and a plane for the rest); 8: bytes
   int32_t group;             // 16, or a multiple of 32 dividing x_block
-  int32_t groups_per_super;  // 1 for single-level scales
+  int32_t groups_per_super;  // 1 for single-level scales; else even, and group * groups_per_super == x_block <= 256
   int32_t zero;              // the constant zero point, or -1 for the mins form
   int32_t x_block;           // inputs per activation scale: 32 or 256 (a multiple of group)
   const uint8_t* codes;
@@ -57,8 +57,9 @@ struct ls_tiled_weight {
 };
 
 // out [rows, n] = round8(x [rows, k]) @ W.T: each row of x rounded to int8 per x_block
-// inputs (q = nearbyint(x / d), d = max|x| / 127), integer dot products per group, then
-// fp32 scaling in a fixed order per output element. A row's result depends on nothing but
+// inputs (q = nearbyint(x / d), d = max|x| / 127), integer dot products per group (times
+// the integer sub-scales and summed over a super-block, for two-level scales), then fp32
+// scaling in a fixed order per output element. A row's result depends on nothing but
 // that row: the same bits whatever else is in the batch.
 void ls_int8_matmul(const ls_tiled_weight* w, const float* x, int64_t rows, float* out);
 

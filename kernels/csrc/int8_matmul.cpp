@@ -4,11 +4,16 @@
 // with d = max|x| / 127 per x_block inputs (32 for the simple GGUF types, 256 for the
 // K-quants). A group's dot product with the codes u is then integer work, exact:
 //     I = sum(u * q)            zero form: I - zero * sum(q)
-// and the floats come in once per group and once per x block, in this order for every
-// output element (row m, output n):
+// and the floats come in in this order for every output element (row m, output n):
+//   one level of scales (Q4_0, Q8_0, ...), per x block:
 //     block = 0
 //     for each group g of the x block:  block = fma(float(I_g), S_g, block)
 //                                       mins form: block = block - M_g * float(sum_g(q))
+//     total = fma(block, d, total)
+//   two levels (the K-quants: a super-block of groups, which is the x block, has fp16 S and
+//   M, each group integer sub-scales s_g and m_g), as llama.cpp sums them:
+//     I = sum_g s_g * I_g, J = sum_g m_g * sum_g(q)       (integers, exact)
+//     block = S * float(I)            mins form: block = block - M * float(J)
 //     total = fma(block, d, total)
 // The same operations whatever the tile shape, so a row's result does not depend on how
 // many other rows share the call: batch invariance by construction.
@@ -107,17 +112,14 @@ struct TiledCodes {
   static constexpr int kInputs = kNibbles ? 8 : 4, kParts = kNibbles ? 2 : 1;
   static constexpr bool kWide = kHigh < 0 || kLevels;  // codes may reach 255
   static constexpr int kMaxCode = kWide ? 255 : (16 << kHigh) - 1;
-  static constexpr bool kMinsForm = kMins;
+  static constexpr bool kMinsForm = kMins, kTwoLevels = kTwoLevel;
   const ls_tiled_weight& w;
   int64_t tile0, groups, supers;
-  int super_shift;  // log2(groups_per_super), or -1: a division per group costs as much as its dot products
   const uint8_t *codes[kTiles], *high_planes[kTiles];
   I levels;
 
   TiledCodes(const ls_tiled_weight& weight, int64_t first_tile)
-      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super),
-        super_shift((weight.groups_per_super & (weight.groups_per_super - 1)) == 0
-                        ? __builtin_ctz(static_cast<unsigned>(weight.groups_per_super)) : -1) {
+      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super) {
     if constexpr (kLevels) levels = Simd::broadcast16(w.levels);
     for (int t = 0; t < kTiles; ++t) {
       codes[t] = w.codes + (tile0 + t) * (w.k / kInputs) * kLanes * 4;
@@ -152,34 +154,37 @@ struct TiledCodes {
     }
   }
 
-  int64_t super_of(int64_t g) const { return super_shift >= 0 ? g >> super_shift : g / w.groups_per_super; }
-
+  // One level: the group's scale and min as floats.
   F scale(int t, int64_t g) const {
-    const int64_t tile = tile0 + t;
-    F s = Simd::load_half(w.super_scales + (tile * supers + super_of(g)) * kLanes);
-    if constexpr (kTwoLevel) s = Simd::mul(s, Simd::load_i8(w.sub_scales + (tile * groups + g) * kLanes));
+    F s = Simd::load_half(w.super_scales + ((tile0 + t) * supers + g) * kLanes);
     if constexpr (kLevels) s = Simd::mul(s, Simd::set1f(w.level_scale));  // exact: a power of two
     return s;
   }
+  F min(int t, int64_t g) const { return Simd::load_half(w.super_mins + ((tile0 + t) * supers + g) * kLanes); }
 
-  F min(int t, int64_t g) const {
-    const int64_t tile = tile0 + t;
-    F m = Simd::load_half(w.super_mins + (tile * supers + super_of(g)) * kLanes);
-    if constexpr (kTwoLevel) m = Simd::mul(m, Simd::load_u8(w.sub_mins + (tile * groups + g) * kLanes));
-    return m;
-  }
+  // Two levels: a super-block's scale and min, a group's integer sub-scale and sub-min.
+  F super_scale(int t, int64_t super) const { return scale(t, super); }
+  F super_min(int t, int64_t super) const { return min(t, super); }
+  // Group g's sub-scale; groups g and g + 1's (g even) as a factor pair.
+  I sub_scale(int t, int64_t g) const { return Simd::factor_i8(w.sub_scales + ((tile0 + t) * groups + g) * kLanes); }
+  I sub_scale_pair(int t, int64_t g) const { return Simd::factor_pair_i8(w.sub_scales + ((tile0 + t) * groups + g) * kLanes); }
+  I sub_min_pair(int t, int64_t g) const { return Simd::factor_pair_u8(w.sub_mins + ((tile0 + t) * groups + g) * kLanes); }
 };
 
-// The codes of one panel of inputs (kPanel, or what is left of k) of kTiles tiles widened
-// to bytes, and their groups' scales as floats: made once, then met by every row of x.
-// For many rows this beats unpacking nibbles and high planes again for each block of rows.
+// The codes of one panel of inputs (kPanel: one super-block) of kTiles tiles widened to
+// bytes, and their scales and factors: made once, then met by every row of x. For many rows
+// this beats unpacking nibbles and high planes again for each block of rows. Two-level
+// weights only (the K-quants), whose super-block and x block are the panel.
 constexpr int64_t kPanel = 256;
 
 template <int kTiles>
 struct Panel {
   alignas(64) uint8_t codes[kTiles][kPanel / 4][kLanes * 4];
-  alignas(64) float scales[kPanel / 16][kTiles][kLanes];
-  alignas(64) float mins[kPanel / 16][kTiles][kLanes];
+  alignas(64) I sub_scales[kPanel / 16][kTiles];
+  alignas(64) I sub_scale_pairs[kPanel / 32][kTiles];
+  alignas(64) I sub_min_pairs[kPanel / 32][kTiles];
+  alignas(64) float super_scales[kTiles][kLanes];
+  alignas(64) float super_mins[kTiles][kLanes];
 };
 
 // A panel as a source of codes: small, passed by value like TiledCodes.
@@ -188,31 +193,93 @@ struct PanelCodes {
   static constexpr int kInputs = 4, kParts = 1;
   static constexpr int kMaxCode = kMaxCodes;
   static constexpr bool kWide = kMaxCode > 127;  // widened nibble codes stay below 128, levels do not
-  static constexpr bool kMinsForm = kMins;
+  static constexpr bool kMinsForm = kMins, kTwoLevels = true;
   Panel<kTiles>* panel;
   int64_t chunk0 = 0, group0 = 0;
 
   template <class Source>
-  void fill(const Source& source, int64_t x0, int64_t length, int64_t group) {
+  void fill(const Source& source, int64_t x0, int64_t group, int64_t groups_per_super) {
+    static_assert(Source::kTwoLevels, "panels hold two-level weights");
     chunk0 = x0 / kInputs;
     group0 = x0 / group;
     for (int t = 0; t < kTiles; ++t)
-      for (int64_t c = 0; c < length / Source::kInputs; ++c) {
+      for (int64_t c = 0; c < kPanel / Source::kInputs; ++c) {
         I parts[Source::kParts];
         source.load(t, x0 / Source::kInputs + c, parts);
         for (int p = 0; p < Source::kParts; ++p) Simd::store_codes(panel->codes[t][c * Source::kParts + p], parts[p]);
       }
-    for (int64_t g = 0; g < length / group; ++g)
-      for (int t = 0; t < kTiles; ++t) {
-        Simd::storef(panel->scales[g][t], source.scale(t, group0 + g));
-        if constexpr (kMins) Simd::storef(panel->mins[g][t], source.min(t, group0 + g));
+    for (int t = 0; t < kTiles; ++t) {
+      Simd::storef(panel->super_scales[t], source.super_scale(t, group0 / groups_per_super));
+      if constexpr (kMins) Simd::storef(panel->super_mins[t], source.super_min(t, group0 / groups_per_super));
+      for (int64_t g = 0; g < kPanel / group; ++g) panel->sub_scales[g][t] = source.sub_scale(t, group0 + g);
+      for (int64_t g = 0; g < kPanel / group; g += 2) {
+        panel->sub_scale_pairs[g / 2][t] = source.sub_scale_pair(t, group0 + g);
+        if constexpr (kMins) panel->sub_min_pairs[g / 2][t] = source.sub_min_pair(t, group0 + g);
       }
+    }
   }
 
   void load(int t, int64_t c, I parts[1]) const { parts[0] = Simd::load_codes(panel->codes[t][c - chunk0]); }
-  F scale(int t, int64_t g) const { return Simd::loadf(panel->scales[g - group0][t]); }
-  F min(int t, int64_t g) const { return Simd::loadf(panel->mins[g - group0][t]); }
+  F super_scale(int t, int64_t) const { return Simd::loadf(panel->super_scales[t]); }
+  F super_min(int t, int64_t) const { return Simd::loadf(panel->super_mins[t]); }
+  I sub_scale(int t, int64_t g) const { return panel->sub_scales[g - group0][t]; }
+  I sub_scale_pair(int t, int64_t g) const { return panel->sub_scale_pairs[(g - group0) / 2][t]; }
+  I sub_min_pair(int t, int64_t g) const { return panel->sub_min_pairs[(g - group0) / 2][t]; }
 };
+
+// How a code source's group dot products are formed on this vector unit.
+template <class Codes>
+struct DotForm {
+  // Where the vector unit has no 8-bit dot product into 32 bits (AVX2), narrow codes' byte
+  // pair products (|2 * kMaxCode * 127| per 16-bit lane) are summed in 16 bits for as many
+  // steps as cannot overflow, then widened once: exact, and a third fewer instructions.
+  static constexpr bool kPairSums = Simd::kNoByteDot && !Codes::kWide;
+  static constexpr bool kCentred = Simd::kNoByteDot && Codes::kWide;  // AVX2 meets wide codes as u - 128
+  static constexpr int kProductsPerWiden = 32767 / (2 * Codes::kMaxCode * 127);
+  static constexpr int kChunksPerWiden =
+      kProductsPerWiden / Codes::kParts > 0 ? kProductsPerWiden / Codes::kParts : 1;
+  static_assert(!kPairSums || kProductsPerWiden >= Codes::kParts, "one chunk's products must fit 16 bits");
+  // AVX2 multiplies by a factor as it widens (free: the widening is a multiply); byte-dot
+  // units multiply a group's sums once.
+  static constexpr bool kFactorInWidening = Simd::kNoByteDot;
+};
+
+// Group g's dot products of kRows rows (q) with kTiles tiles added into sums: times each
+// tile's factor where the widening applies it (DotForm::kFactorInWidening), else as they are.
+template <int kRows, int kTiles, class Codes>
+[[gnu::always_inline]] inline void add_group_dots(const Codes& codes, const int8_t* const* q, int64_t g,
+                                                  int64_t chunks_per_group, const I* factor, I (*sums)[kTiles]) {
+  using Form = DotForm<Codes>;
+  I pairs[kRows][kTiles];
+  if constexpr (Form::kPairSums)
+    for (int r = 0; r < kRows; ++r)
+      for (int t = 0; t < kTiles; ++t) pairs[r][t] = Simd::set1(0);
+  for (int64_t i = 0; i < chunks_per_group; ++i) {
+    const int64_t c = g * chunks_per_group + i, at = c * Codes::kInputs;
+    I parts[kTiles][Codes::kParts];
+    for (int t = 0; t < kTiles; ++t) codes.load(t, c, parts[t]);
+    for (int r = 0; r < kRows; ++r)
+      for (int p = 0; p < Codes::kParts; ++p) {
+        const int32_t x4 = word(q[r] + at + 4 * p);
+        for (int t = 0; t < kTiles; ++t) {
+          if constexpr (Form::kPairSums)
+            pairs[r][t] = Simd::dot16(pairs[r][t], parts[t][p], x4);
+          else if constexpr (Form::kCentred)
+            sums[r][t] = Simd::dot_centred(sums[r][t], parts[t][p], x4, factor[t]);
+          else
+            sums[r][t] = Simd::dot<Codes::kWide>(sums[r][t], parts[t][p], x4);
+        }
+      }
+    if constexpr (Form::kPairSums) {  // widened before the 16-bit sums could overflow, and at the group's end
+      if ((i + 1) % Form::kChunksPerWiden == 0 || i + 1 == chunks_per_group)
+        for (int r = 0; r < kRows; ++r)
+          for (int t = 0; t < kTiles; ++t) {
+            sums[r][t] = Simd::widen16(sums[r][t], pairs[r][t], factor[t]);
+            pairs[r][t] = Simd::set1(0);
+          }
+    }
+  }
+}
 
 // kRows rows of x (from row0) against kTiles tiles, x blocks [xb0, xb1): each block's sum
 // added into total [kRows][kTiles * kLanes]. The one place the sums are formed, whatever
@@ -222,69 +289,87 @@ struct PanelCodes {
 template <int kRows, int kTiles, class Codes, int kGroup = 0>
 [[gnu::noinline]] void add_x_blocks(const Codes codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t row0,
                                     int64_t xb0, int64_t xb1, float* total) {
-  constexpr int kParts = Codes::kParts;
-  // Where the vector unit has no 8-bit dot product into 32 bits (AVX2), narrow codes' byte
-  // pair products (|2 * kMaxCode * 127| per 16-bit lane) are summed in 16 bits for as many
-  // steps as cannot overflow, then widened once: exact, and a third fewer instructions.
-  constexpr bool kPairSums = Simd::kNoByteDot && !Codes::kWide;
-  constexpr bool kCentred = Simd::kNoByteDot && Codes::kWide;  // AVX2 meets wide codes as u - 128
-  constexpr int kProductsPerWiden = 32767 / (2 * Codes::kMaxCode * 127);
-  constexpr int kChunksPerWiden = kProductsPerWiden / kParts > 0 ? kProductsPerWiden / kParts : 1;
-  static_assert(!kPairSums || kProductsPerWiden >= kParts, "one chunk's products must fit 16 bits");
+  using Form = DotForm<Codes>;
   const int64_t group_size = kGroup > 0 ? kGroup : w.group;
   const int64_t groups = xq.groups, groups_per_x_block = w.x_block / group_size;
   const int64_t chunks_per_group = group_size / Codes::kInputs;
   const int8_t* q[kRows];
   for (int r = 0; r < kRows; ++r) q[r] = xq.q + (row0 + r) * xq.k;
+  // A centred dot leaves out 128 * sum(q) (Simd::dot_centred): added back with the zero
+  // point's term, where a zero point of 128 (Q8_0, the codebooks) cancels it.
+  const int32_t q_sum_factor = (w.zero > 0 ? -w.zero : 0) + (Form::kCentred ? 128 : 0);
+  I unit[kTiles];
+  for (int t = 0; t < kTiles; ++t) unit[t] = Simd::unit_factor();
 
   for (int64_t xb = xb0; xb < xb1; ++xb) {
+    const int64_t g0 = xb * groups_per_x_block, g1 = g0 + groups_per_x_block;
     F block[kRows][kTiles];
-    for (int r = 0; r < kRows; ++r)
-      for (int t = 0; t < kTiles; ++t) block[r][t] = Simd::zerof();
-    for (int64_t g = xb * groups_per_x_block; g < (xb + 1) * groups_per_x_block; ++g) {
-      F scale[kTiles], min[kTiles];
-      for (int t = 0; t < kTiles; ++t) {
-        scale[t] = codes.scale(t, g);
-        if constexpr (Codes::kMinsForm) min[t] = codes.min(t, g);
-      }
-      I dots[kRows][kTiles], pairs[kRows][kTiles];
-      for (int r = 0; r < kRows; ++r) {
-        const int32_t q_sum = xq.q_sum[(row0 + r) * groups + g];
-        // A centred dot leaves out 128 * sum(q) (Simd::dot_centred): added here once a group,
-        // where a zero point of 128 (Q8_0, the codebooks) cancels it.
-        const int32_t start = (w.zero > 0 ? -w.zero * q_sum : 0) + (kCentred ? 128 * q_sum : 0);
-        for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(start), pairs[r][t] = Simd::set1(0);
-      }
-      for (int64_t i = 0; i < chunks_per_group; ++i) {
-        const int64_t c = g * chunks_per_group + i, at = c * Codes::kInputs;
-        I parts[kTiles][kParts];
-        for (int t = 0; t < kTiles; ++t) codes.load(t, c, parts[t]);
-        for (int r = 0; r < kRows; ++r)
-          for (int p = 0; p < kParts; ++p) {
-            const int32_t x4 = word(q[r] + at + 4 * p);
-            for (int t = 0; t < kTiles; ++t) {
-              if constexpr (kPairSums)
-                pairs[r][t] = Simd::dot16(pairs[r][t], parts[t][p], x4);
-              else
-                dots[r][t] = kCentred ? Simd::dot_centred(dots[r][t], parts[t][p], x4)
-                                      : Simd::dot<Codes::kWide>(dots[r][t], parts[t][p], x4);
-            }
-          }
-        if constexpr (kPairSums) {  // widened before the 16-bit sums could overflow, and at the group's end
-          if ((i + 1) % kChunksPerWiden == 0 || i + 1 == chunks_per_group)
-            for (int r = 0; r < kRows; ++r)
-              for (int t = 0; t < kTiles; ++t) {
-                dots[r][t] = Simd::widen16(dots[r][t], pairs[r][t]);
-                pairs[r][t] = Simd::set1(0);
-              }
-        }
-      }
+    if constexpr (Codes::kTwoLevels) {
+      // I = sum_g s_g * I_g first; then, with q_sum_g = sum_g(q), the zero point's (and a
+      // centred dot's) sum_g s_g * q_sum_g and the mins' J = sum_g m_g * q_sum_g.
+      I sums[kRows][kTiles];
       for (int r = 0; r < kRows; ++r)
-        for (int t = 0; t < kTiles; ++t) {
-          block[r][t] = Simd::fmadd(Simd::to_float(dots[r][t]), scale[t], block[r][t]);
-          if constexpr (Codes::kMinsForm)
-            block[r][t] = Simd::fnmadd(min[t], Simd::set1f(xq.q_sum_f[(row0 + r) * groups + g]), block[r][t]);
+        for (int t = 0; t < kTiles; ++t) sums[r][t] = Simd::set1(0);
+      for (int64_t g = g0; g < g1; ++g) {
+        I sub_scale[kTiles];
+        for (int t = 0; t < kTiles; ++t) sub_scale[t] = codes.sub_scale(t, g);
+        if constexpr (Form::kFactorInWidening) {
+          add_group_dots<kRows, kTiles>(codes, q, g, chunks_per_group, sub_scale, sums);
+        } else {
+          I dots[kRows][kTiles];
+          for (int r = 0; r < kRows; ++r)
+            for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(0);
+          add_group_dots<kRows, kTiles>(codes, q, g, chunks_per_group, sub_scale, dots);
+          for (int r = 0; r < kRows; ++r)
+            for (int t = 0; t < kTiles; ++t) sums[r][t] = Simd::add_scaled(sums[r][t], dots[r][t], sub_scale[t]);
         }
+      }
+      I zero_terms[kRows][kTiles], min_terms[kRows][kTiles];
+      for (int r = 0; r < kRows; ++r)
+        for (int t = 0; t < kTiles; ++t) zero_terms[r][t] = min_terms[r][t] = Simd::set1(0);
+      for (int64_t g = g0; g < g1; g += 2)  // two groups a step (a super-block has an even count)
+        for (int t = 0; t < kTiles; ++t) {
+          I scale_pair = Simd::set1(0), min_pair = Simd::set1(0);
+          if (q_sum_factor != 0) scale_pair = codes.sub_scale_pair(t, g);
+          if constexpr (Codes::kMinsForm) min_pair = codes.sub_min_pair(t, g);
+          for (int r = 0; r < kRows; ++r) {
+            const int32_t* q_sum = xq.q_sum + (row0 + r) * groups + g;
+            const int32_t both = static_cast<int32_t>((static_cast<uint32_t>(q_sum[0]) & 0xFFFF) | (static_cast<uint32_t>(q_sum[1]) << 16));
+            if (q_sum_factor != 0) zero_terms[r][t] = Simd::add_pair_times(zero_terms[r][t], scale_pair, both);
+            if constexpr (Codes::kMinsForm) min_terms[r][t] = Simd::add_pair_times(min_terms[r][t], min_pair, both);
+          }
+        }
+      const int64_t super = g0 / w.groups_per_super;
+      for (int t = 0; t < kTiles; ++t) {
+        const F scale = codes.super_scale(t, super);
+        F min = Simd::zerof();
+        if constexpr (Codes::kMinsForm) min = codes.super_min(t, super);
+        for (int r = 0; r < kRows; ++r) {
+          const I exact = q_sum_factor != 0 ? Simd::add_times(sums[r][t], zero_terms[r][t], q_sum_factor) : sums[r][t];
+          block[r][t] = Simd::mul(scale, Simd::to_float(exact));
+          if constexpr (Codes::kMinsForm) block[r][t] = Simd::fnmadd(min, Simd::to_float(min_terms[r][t]), block[r][t]);
+        }
+      }
+    } else {
+      for (int r = 0; r < kRows; ++r)
+        for (int t = 0; t < kTiles; ++t) block[r][t] = Simd::zerof();
+      for (int64_t g = g0; g < g1; ++g) {
+        F scale[kTiles], min[kTiles];
+        for (int t = 0; t < kTiles; ++t) {
+          scale[t] = codes.scale(t, g);
+          if constexpr (Codes::kMinsForm) min[t] = codes.min(t, g);
+        }
+        I dots[kRows][kTiles];
+        for (int r = 0; r < kRows; ++r)
+          for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(q_sum_factor * xq.q_sum[(row0 + r) * groups + g]);
+        add_group_dots<kRows, kTiles>(codes, q, g, chunks_per_group, unit, dots);
+        for (int r = 0; r < kRows; ++r)
+          for (int t = 0; t < kTiles; ++t) {
+            block[r][t] = Simd::fmadd(Simd::to_float(dots[r][t]), scale[t], block[r][t]);
+            if constexpr (Codes::kMinsForm)
+              block[r][t] = Simd::fnmadd(min[t], Simd::set1f(xq.q_sum_f[(row0 + r) * groups + g]), block[r][t]);
+          }
+      }
     }
     for (int r = 0; r < kRows; ++r) {
       const F d = Simd::set1f(xq.d[(row0 + r) * xq.x_blocks + xb]);
@@ -320,26 +405,31 @@ void write_rows(const ls_tiled_weight& w, const float* total, int64_t row0, int6
       }
 }
 
+// f(group) with the weight's group size as a compile-time constant where it is a common one
+// (16 or 32: the chunk loop unrolled), else 0 (read from the weight).
+template <class F>
+void with_group_size(int64_t group, F f) {
+  if (group == 32)
+    f(std::integral_constant<int, 32>());
+  else if (group == 16)
+    f(std::integral_constant<int, 16>());
+  else
+    f(std::integral_constant<int, 0>());
+}
+
 // Few rows: each block of rows meets the tiles' codes as they are stored, all of k at once.
 template <int kTiles, class Codes>
 void tile_rows_direct(const Codes& codes, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0,
                       const Output& out) {
   float total[4 * kTiles * kLanes];
-  // The common group sizes as constants: a decode step is mostly this loop.
-  auto with_group = [&](auto group) {
+  with_group_size(w.group, [&](auto group) {
     row_blocks(rows, [&](auto block_rows, int64_t row0) {
       constexpr int kRows = decltype(block_rows)::value;
       std::fill(total, total + kRows * kTiles * kLanes, 0.0f);
       add_x_blocks<kRows, kTiles, Codes, decltype(group)::value>(codes, w, xq, row0, 0, w.k / w.x_block, total);
       write_rows<kTiles>(w, total, row0, kRows, tile0, out);
     });
-  };
-  if (w.group == 32)
-    with_group(std::integral_constant<int, 32>());
-  else if (w.group == 16)
-    with_group(std::integral_constant<int, 16>());
-  else
-    with_group(std::integral_constant<int, 0>());
+  });
 }
 
 // Many rows: panel by panel, every row meets the panel's widened codes.
@@ -348,14 +438,16 @@ void tile_rows_by_panel(const Codes& codes, const ls_tiled_weight& w, const Int8
                         int64_t tile0, const Output& out) {
   std::vector<float> total(rows * kTiles * kLanes, 0.0f);
   Panel<kTiles> buffer;
-  PanelCodes<kTiles, kMins, Codes::kMaxCode> panel{&buffer};
+  using Source = PanelCodes<kTiles, kMins, Codes::kMaxCode>;
+  Source panel{&buffer};
   for (int64_t x0 = 0; x0 < w.k; x0 += kPanel) {
-    const int64_t length = std::min(kPanel, w.k - x0);
-    panel.fill(codes, x0, length, w.group);
-    row_blocks(rows, [&](auto block_rows, int64_t row0) {
-      constexpr int kRows = decltype(block_rows)::value;
-      add_x_blocks<kRows, kTiles>(panel, w, xq, row0, x0 / w.x_block, (x0 + length) / w.x_block,
-                                  total.data() + row0 * kTiles * kLanes);
+    panel.fill(codes, x0, w.group, w.groups_per_super);
+    with_group_size(w.group, [&](auto group) {
+      row_blocks(rows, [&](auto block_rows, int64_t row0) {
+        constexpr int kRows = decltype(block_rows)::value;
+        add_x_blocks<kRows, kTiles, Source, decltype(group)::value>(panel, w, xq, row0, x0 / kPanel, x0 / kPanel + 1,
+                                                                     total.data() + row0 * kTiles * kLanes);
+      });
     });
   }
   write_rows<kTiles>(w, total.data(), 0, rows, tile0, out);
@@ -370,10 +462,9 @@ constexpr int64_t kPanelRows = 16;
 template <int kTiles, int kHigh, bool kTwoLevel, bool kMins, bool kLevels>
 void tile_rows(const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows, int64_t tile0, const Output& out) {
   const TiledCodes<kTiles, kHigh, kTwoLevel, kMins, kLevels> codes(w, tile0);
-  if (kTwoLevel && rows >= kPanelRows)
-    tile_rows_by_panel<kTiles, kMins>(codes, w, xq, rows, tile0, out);
-  else
-    tile_rows_direct<kTiles>(codes, w, xq, rows, tile0, out);
+  if constexpr (kTwoLevel)
+    if (rows >= kPanelRows && w.x_block == kPanel) return tile_rows_by_panel<kTiles, kMins>(codes, w, xq, rows, tile0, out);
+  tile_rows_direct<kTiles>(codes, w, xq, rows, tile0, out);
 }
 
 // The row kernels for one weight's code and scale form: over a pair of tiles, or one.

@@ -13,6 +13,14 @@
 //
 // dot(acc, w, x4): each 32-bit lane of acc plus the dot product of its four code bytes
 // (unsigned) with the four int8 values of x4 (one 32-bit word, the same for every lane).
+//
+// A factor is a per-lane integer (a K-quant's sub-scale or sub-min) in the form this
+// variant multiplies by: factor_i8 / factor_u8 load one (kLanes bytes), unit_factor() is 1
+// in every lane; add_scaled(acc, dots, f): acc + dots * f. A factor pair holds two adjacent
+// groups' factors per lane (2 * kLanes bytes: the first group's lanes, then the second's) as
+// 16-bit halves; add_pair_times(acc, pair, v): acc + pair.first * v.low + pair.second *
+// v.high for the two 16-bit halves of v. add_times(acc, a, v): acc + a * v. All exact in
+// 32-bit lanes.
 #pragma once
 
 #include <cmath>
@@ -139,9 +147,27 @@ struct Simd {
   static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
   static constexpr bool kNoByteDot = false;  // dpbusd sums byte products into 32 bits itself
   static I dot16(I acc, I, int32_t) { return acc; }
-  static I widen16(I acc, I) { return acc; }
-  static I dot_centred(I acc, I, int32_t) { return acc; }
+  static I widen16(I acc, I, I) { return acc; }
+  static I dot_centred(I acc, I, int32_t, I) { return acc; }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I factor_i8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I factor_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I unit_factor() { return _mm512_set1_epi32(1); }
+  static I add_scaled(I acc, I dots, I factor) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(dots, factor)); }
+  // 16-bit words [first 0..15, second 0..15] into lanes (first l, second l).
+  static I interleave_pair(I words) {
+    const I order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5,
+                                     20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, words);
+  }
+  static I factor_pair_i8(const int8_t* p) {
+    return interleave_pair(_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  static I factor_pair_u8(const uint8_t* p) {
+    return interleave_pair(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  }
+  static I add_pair_times(I acc, I pair, int32_t v) { return _mm512_add_epi32(acc, _mm512_madd_epi16(pair, _mm512_set1_epi32(v))); }
+  static I add_times(I acc, I a, int32_t v) { return add_scaled(acc, a, _mm512_set1_epi32(v)); }
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
@@ -203,18 +229,44 @@ struct Simd {
     }
   }
   // Codes below 128: the byte pair products summed in 16-bit lanes (the caller bounds how
-  // many), and those sums added into 32-bit lanes.
+  // many), and those sums added into 32-bit lanes times a factor: the widening multiply
+  // (madd) that must run anyway applies a K-quant's sub-scale for free.
   static constexpr bool kNoByteDot = true;  // maddubs: byte pairs into 16 bits, then madd
   static I dot16(I acc16, I w, int32_t x4) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4))); }
-  static I widen16(I acc, I acc16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, _mm256_set1_epi16(1))); }
-  // Wide codes' dot product less 128 * sum(x): sum((u - 128) * x), the shift left to the
-  // caller, which adds it once per group instead of once per four inputs.
-  static I dot_centred(I acc, I w, int32_t x4) {
+  static I widen16(I acc, I acc16, I factor) { return _mm256_add_epi32(acc, _mm256_madd_epi16(acc16, factor)); }
+  // Wide codes' dot product less 128 * sum(x), times a factor: sum((u - 128) * x) * f, the
+  // shift left to the caller, which adds it once per group instead of once per four inputs.
+  static I dot_centred(I acc, I w, int32_t x4, I factor) {
     const I x = _mm256_set1_epi32(x4);
     const I s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
     const I pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(x, s));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, factor));
   }
+  // A factor is its value in both 16-bit halves of a lane, as madd multiplies pairs: bytes
+  // spread by a shuffle (a signed one into the high byte of each half, then shifted down).
+  static I spread(I bytes, int8_t b0, int8_t b1, int8_t b2, int8_t b3) {  // lane l: bytes b(l) for each half
+    return _mm256_shuffle_epi8(bytes, _mm256_setr_epi8(
+        b0, b1, b2, b3, b0 + 1, b1 + 1, b2 + 1, b3 + 1, b0 + 2, b1 + 2, b2 + 2, b3 + 2, b0 + 3, b1 + 3, b2 + 3, b3 + 3,
+        b0 + 4, b1 + 4, b2 + 4, b3 + 4, b0 + 5, b1 + 5, b2 + 5, b3 + 5, b0 + 6, b1 + 6, b2 + 6, b3 + 6, b0 + 7, b1 + 7,
+        b2 + 7, b3 + 7));
+  }
+  static I load8(const void* p) {
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+  }
+  static I factor_i8(const int8_t* p) { return _mm256_srai_epi16(spread(load8(p), -128, 0, -128, 0), 8); }
+  static I factor_u8(const uint8_t* p) { return spread(load8(p), 0, -128, 0, -128); }
+  static I unit_factor() { return _mm256_set1_epi16(1); }
+  static I add_scaled(I acc, I dots, I factor) {
+    return _mm256_add_epi32(acc, _mm256_mullo_epi32(dots, _mm256_srai_epi32(factor, 16)));
+  }
+  // A pair: lane l takes bytes l and 8 + l of 16 (both 128-bit halves hold all 16).
+  static I load16(const void* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I factor_pair_i8(const int8_t* p) { return _mm256_srai_epi16(spread(load16(p), -128, 0, -128, 8), 8); }
+  static I factor_pair_u8(const uint8_t* p) { return spread(load16(p), 0, -128, 8, -128); }
+  static I add_pair_times(I acc, I pair, int32_t v) { return _mm256_add_epi32(acc, _mm256_madd_epi16(pair, _mm256_set1_epi32(v))); }
+  static I add_times(I acc, I a, int32_t v) { return _mm256_add_epi32(acc, _mm256_mullo_epi32(a, _mm256_set1_epi32(v))); }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -295,9 +347,32 @@ struct Simd {
   }
   static constexpr bool kNoByteDot = false;
   static I dot16(I acc, I, int32_t) { return acc; }
-  static I widen16(I acc, I) { return acc; }
-  static I dot_centred(I acc, I, int32_t) { return acc; }
+  static I widen16(I acc, I, I) { return acc; }
+  static I dot_centred(I acc, I, int32_t, I) { return acc; }
   static I set1(int32_t v) { I r; for (auto& e : r.v) e = v; return r; }
+  static I factor_i8(const int8_t* p) { I r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
+  static I factor_u8(const uint8_t* p) { I r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
+  static I unit_factor() { return set1(1); }
+  static I add_scaled(I acc, I dots, I factor) {
+    for (int l = 0; l < kLanes; ++l) acc.v[l] += dots.v[l] * factor.v[l];
+    return acc;
+  }
+  template <class Byte>
+  static I factor_pair(const Byte* p) {
+    I r;
+    for (int l = 0; l < kLanes; ++l)
+      r.v[l] = static_cast<int32_t>(static_cast<uint16_t>(p[l]) | (static_cast<uint32_t>(static_cast<uint16_t>(p[kLanes + l])) << 16));
+    return r;
+  }
+  static I factor_pair_i8(const int8_t* p) { return factor_pair(p); }
+  static I factor_pair_u8(const uint8_t* p) { return factor_pair(p); }
+  static I add_pair_times(I acc, I pair, int32_t v) {
+    const auto low = [](int32_t w) { return static_cast<int32_t>(static_cast<int16_t>(w & 0xFFFF)); };
+    const auto high = [](int32_t w) { return static_cast<int32_t>(static_cast<int16_t>(static_cast<uint32_t>(w) >> 16)); };
+    for (int l = 0; l < kLanes; ++l) acc.v[l] += low(pair.v[l]) * low(v) + high(pair.v[l]) * high(v);
+    return acc;
+  }
+  static I add_times(I acc, I a, int32_t v) { return add_scaled(acc, a, set1(v)); }
   static F to_float(I a) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = static_cast<float>(a.v[l]); return r; }
   static F fmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = a.v[l] * b.v[l] + c.v[l]; return c; }
   static F add(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] += b.v[l]; return a; }
