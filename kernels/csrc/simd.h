@@ -15,7 +15,7 @@
 // (unsigned) with the four int8 values of x4 (one 32-bit word, the same for every lane).
 //
 // A factor is a per-lane integer (a K-quant's sub-scale or sub-min) in the form this
-// variant multiplies by: factor_i8 / factor_u8 load one (kLanes bytes), unit_factor() is 1
+// variant multiplies by: factor_i8 loads one (kLanes bytes), unit_factor() is 1
 // in every lane; add_scaled(acc, dots, f): acc + dots * f. A factor pair holds two adjacent
 // groups' factors per lane (2 * kLanes bytes: the first group's lanes, then the second's) as
 // 16-bit halves; add_pair_times(acc, pair, v): acc + pair.first * v.low + pair.second *
@@ -151,7 +151,6 @@ struct Simd {
   static I dot_centred(I acc, I, int32_t, I) { return acc; }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I factor_i8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I factor_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I unit_factor() { return _mm512_set1_epi32(1); }
   static I add_scaled(I acc, I dots, I factor) { return _mm512_add_epi32(acc, _mm512_mullo_epi32(dots, factor)); }
   // 16-bit words [first 0..15, second 0..15] into lanes (first l, second l).
@@ -214,20 +213,10 @@ struct Simd {
     return _mm256_or_si256(codes, _mm256_slli_epi32(bits, 4));
   }
   // maddubs sums byte pairs into saturating int16: exact while codes stay below 128
-  // (2 * 127 * 127 fits). Wider codes are met as signed u - 128 (|u - 128| <= 128 and
-  // 2 * 128 * 127 fits), the shift added back as 128 * sum(x) per lane.
+  // (2 * 127 * 127 fits), so AVX2 has no 32-bit byte dot: narrow codes go through dot16 and
+  // widen16, wide ones (|u - 128| <= 128, 2 * 128 * 127 fits) through dot_centred.
   template <bool kWide>
-  static I dot(I acc, I w, int32_t x4) {
-    const I x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
-    if constexpr (!kWide) {
-      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
-    } else {
-      const I s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-      const I pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(x, s));
-      const I x_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), x), ones);
-      return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), _mm256_slli_epi32(x_sum, 7)));
-    }
-  }
+  static I dot(I, I, int32_t) = delete;
   // Codes below 128: the byte pair products summed in 16-bit lanes (the caller bounds how
   // many), and those sums added into 32-bit lanes times a factor: the widening multiply
   // (madd) that must run anyway applies a K-quant's sub-scale for free.
@@ -256,7 +245,6 @@ struct Simd {
     return _mm256_set1_epi64x(v);
   }
   static I factor_i8(const int8_t* p) { return _mm256_srai_epi16(spread(load8(p), -128, 0, -128, 0), 8); }
-  static I factor_u8(const uint8_t* p) { return spread(load8(p), 0, -128, 0, -128); }
   static I unit_factor() { return _mm256_set1_epi16(1); }
   static I add_scaled(I acc, I dots, I factor) {
     return _mm256_add_epi32(acc, _mm256_mullo_epi32(dots, _mm256_srai_epi32(factor, 16)));
@@ -351,7 +339,6 @@ struct Simd {
   static I dot_centred(I acc, I, int32_t, I) { return acc; }
   static I set1(int32_t v) { I r; for (auto& e : r.v) e = v; return r; }
   static I factor_i8(const int8_t* p) { I r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
-  static I factor_u8(const uint8_t* p) { I r; for (int l = 0; l < kLanes; ++l) r.v[l] = p[l]; return r; }
   static I unit_factor() { return set1(1); }
   static I add_scaled(I acc, I dots, I factor) {
     for (int l = 0; l < kLanes; ++l) acc.v[l] += dots.v[l] * factor.v[l];
