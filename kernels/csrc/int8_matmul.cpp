@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "api.h"
@@ -102,6 +103,16 @@ int32_t word(const int8_t* p) {
   return v;
 }
 
+// f(0), f(1), ..., f(kCount - 1), each index a compile-time constant.
+template <int kCount, class Each, int... kIndex>
+[[gnu::always_inline]] inline void each_index(Each&& f, std::integer_sequence<int, kIndex...>) {
+  (f(std::integral_constant<int, kIndex>()), ...);
+}
+template <int kCount, class Each>
+[[gnu::always_inline]] inline void each_index(Each&& f) {
+  each_index<kCount>(f, std::make_integer_sequence<int, kCount>());
+}
+
 // Where the codes and group scales come from, for kTiles tiles from tile0. A chunk is the
 // inputs one code vector covers: 8 for nibbles (two vectors, inputs 0-3 and 4-7, unpacked
 // as they are loaded) or 4 for bytes. With kLevels, each nibble is looked up in the weight's
@@ -113,6 +124,7 @@ struct TiledCodes {
   static constexpr bool kWide = kHigh < 0 || kLevels;  // codes may reach 255
   static constexpr int kMaxCode = kWide ? 255 : (16 << kHigh) - 1;
   static constexpr bool kMinsForm = kMins, kTwoLevels = kTwoLevel;
+  static constexpr bool kTopBitPlane = kHigh > 0;
   const ls_tiled_weight& w;
   int64_t tile0, groups, supers;
   const uint8_t *codes[kTiles], *high_planes[kTiles];
@@ -127,6 +139,9 @@ struct TiledCodes {
     }
   }
 
+  // Chunk c of tile t. kWithin: c % 4 (its place among the four chunks that share a word of
+  // the top-bit plane) where the caller knows it at compile time, for constant shifts; else -1.
+  template <int kWithin = -1>
   void load(int t, int64_t c, I parts[kParts]) const {
     const I codes_word = Simd::load_codes(codes[t] + c * kLanes * 4);
     if constexpr (!kNibbles) {
@@ -135,11 +150,19 @@ struct TiledCodes {
       I low = Simd::low_nibbles(codes_word), high = Simd::high_nibbles(codes_word);
       if constexpr (kHigh > 0) {  // 5- and 6-bit codes: their top bits from the plane
         const uint8_t* plane = high_planes[t] + (c / 4) * kHigh * kLanes * 4;
-        const int within = static_cast<int>(c % 4);
-        if constexpr (kHigh == 2) {
+        if constexpr (kWithin >= 0 && kHigh == 2) {
+          low = Simd::or_bits<2 * kWithin, 0x03>(low, Simd::load_codes(plane));
+          high = Simd::or_bits<2 * kWithin, 0x03>(high, Simd::load_codes(plane + kLanes * 4));
+        } else if constexpr (kWithin >= 0) {
+          const I bits = Simd::load_codes(plane);
+          low = Simd::or_bits<kWithin, 0x01>(low, bits);
+          high = Simd::or_bits<4 + kWithin, 0x01>(high, bits);
+        } else if constexpr (kHigh == 2) {
+          const int within = static_cast<int>(c % 4);
           low = Simd::or_bits(low, Simd::load_codes(plane), 2 * within, 0x03);
           high = Simd::or_bits(high, Simd::load_codes(plane + kLanes * 4), 2 * within, 0x03);
         } else {
+          const int within = static_cast<int>(c % 4);
           const I bits = Simd::load_codes(plane);
           low = Simd::or_bits(low, bits, within, 0x01);
           high = Simd::or_bits(high, bits, 4 + within, 0x01);
@@ -193,7 +216,7 @@ struct PanelCodes {
   static constexpr int kInputs = 4, kParts = 1;
   static constexpr int kMaxCode = kMaxCodes;
   static constexpr bool kWide = kMaxCode > 127;  // widened nibble codes stay below 128, levels do not
-  static constexpr bool kMinsForm = kMins, kTwoLevels = true;
+  static constexpr bool kMinsForm = kMins, kTwoLevels = true, kTopBitPlane = false;
   Panel<kTiles>* panel;
   int64_t chunk0 = 0, group0 = 0;
 
@@ -203,11 +226,13 @@ struct PanelCodes {
     chunk0 = x0 / kInputs;
     group0 = x0 / group;
     for (int t = 0; t < kTiles; ++t)
-      for (int64_t c = 0; c < kPanel / Source::kInputs; ++c) {
-        I parts[Source::kParts];
-        source.load(t, x0 / Source::kInputs + c, parts);
-        for (int p = 0; p < Source::kParts; ++p) Simd::store_codes(panel->codes[t][c * Source::kParts + p], parts[p]);
-      }
+      for (int64_t c = 0; c < kPanel / Source::kInputs; c += 4)  // x0 / kInputs is a multiple of 4
+        each_index<4>([&](auto within) {
+          I parts[Source::kParts];
+          source.template load<within>(t, x0 / Source::kInputs + c + within, parts);
+          for (int p = 0; p < Source::kParts; ++p)
+            Simd::store_codes(panel->codes[t][(c + within) * Source::kParts + p], parts[p]);
+        });
     for (int t = 0; t < kTiles; ++t) {
       Simd::storef(panel->super_scales[t], source.super_scale(t, group0 / groups_per_super));
       if constexpr (kMins) Simd::storef(panel->super_mins[t], source.super_min(t, group0 / groups_per_super));
@@ -219,6 +244,7 @@ struct PanelCodes {
     }
   }
 
+  template <int kWithin = -1>
   void load(int t, int64_t c, I parts[1]) const { parts[0] = Simd::load_codes(panel->codes[t][c - chunk0]); }
   F super_scale(int t, int64_t) const { return Simd::loadf(panel->super_scales[t]); }
   F super_min(int t, int64_t) const { return Simd::loadf(panel->super_mins[t]); }
@@ -246,7 +272,9 @@ struct DotForm {
 
 // Group g's dot products of kRows rows (q) with kTiles tiles added into sums: times each
 // tile's factor where the widening applies it (DotForm::kFactorInWidening), else as they are.
-template <int kRows, int kTiles, class Codes>
+// kWithin0 >= 0: the group's kChunks chunks unrolled, the first at place kWithin0 of its
+// top-bit plane word (the codes' shifts then constants); -1: a loop over chunks_per_group.
+template <int kRows, int kTiles, class Codes, int kChunks = 0, int kWithin0 = -1>
 [[gnu::always_inline]] inline void add_group_dots(const Codes& codes, const int8_t* const* q, int64_t g,
                                                   int64_t chunks_per_group, const I* factor, I (*sums)[kTiles]) {
   using Form = DotForm<Codes>;
@@ -254,10 +282,10 @@ template <int kRows, int kTiles, class Codes>
   if constexpr (Form::kPairSums)
     for (int r = 0; r < kRows; ++r)
       for (int t = 0; t < kTiles; ++t) pairs[r][t] = Simd::set1(0);
-  for (int64_t i = 0; i < chunks_per_group; ++i) {
+  const auto chunk = [&](int64_t i, auto within) __attribute__((always_inline)) {
     const int64_t c = g * chunks_per_group + i, at = c * Codes::kInputs;
     I parts[kTiles][Codes::kParts];
-    for (int t = 0; t < kTiles; ++t) codes.load(t, c, parts[t]);
+    for (int t = 0; t < kTiles; ++t) codes.template load<decltype(within)::value>(t, c, parts[t]);
     for (int r = 0; r < kRows; ++r)
       for (int p = 0; p < Codes::kParts; ++p) {
         const int32_t x4 = word(q[r] + at + 4 * p);
@@ -278,7 +306,13 @@ template <int kRows, int kTiles, class Codes>
             pairs[r][t] = Simd::set1(0);
           }
     }
-  }
+  };
+  if constexpr (kWithin0 >= 0)
+    each_index<kChunks>([&](auto i) __attribute__((always_inline)) {
+      chunk(i, std::integral_constant<int, kWithin0 + decltype(i)::value>());
+    });
+  else
+    for (int64_t i = 0; i < chunks_per_group; ++i) chunk(i, std::integral_constant<int, -1>());
 }
 
 // kRows rows of x (from row0) against kTiles tiles, x blocks [xb0, xb1): each block's sum
@@ -293,6 +327,9 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
   const int64_t group_size = kGroup > 0 ? kGroup : w.group;
   const int64_t groups = xq.groups, groups_per_x_block = w.x_block / group_size;
   const int64_t chunks_per_group = group_size / Codes::kInputs;
+  constexpr int kChunks = kGroup / Codes::kInputs;  // 0 where the group size is not known here
+  // Unrolled four chunks a group (Q5_K) for 4 rows spill registers: 5-8% slower, measured.
+  constexpr bool kConstantShifts = Codes::kTopBitPlane && (kChunks == 2 || (kChunks == 4 && kRows < 4));
   const int8_t* q[kRows];
   for (int r = 0; r < kRows; ++r) q[r] = xq.q + (row0 + r) * xq.k;
   // A centred dot leaves out 128 * sum(q) (Simd::dot_centred): added back with the zero
@@ -310,20 +347,31 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
       I sums[kRows][kTiles];
       for (int r = 0; r < kRows; ++r)
         for (int t = 0; t < kTiles; ++t) sums[r][t] = Simd::set1(0);
-      for (int64_t g = g0; g < g1; ++g) {
+      const auto group_dots = [&](int64_t g, auto within0) __attribute__((always_inline)) {
+        constexpr int kWithin0 = decltype(within0)::value;
         I sub_scale[kTiles];
         for (int t = 0; t < kTiles; ++t) sub_scale[t] = codes.sub_scale(t, g);
         if constexpr (Form::kFactorInWidening) {
-          add_group_dots<kRows, kTiles>(codes, q, g, chunks_per_group, sub_scale, sums);
+          add_group_dots<kRows, kTiles, Codes, kChunks, kWithin0>(codes, q, g, chunks_per_group, sub_scale, sums);
         } else {
           I dots[kRows][kTiles];
           for (int r = 0; r < kRows; ++r)
             for (int t = 0; t < kTiles; ++t) dots[r][t] = Simd::set1(0);
-          add_group_dots<kRows, kTiles>(codes, q, g, chunks_per_group, sub_scale, dots);
+          add_group_dots<kRows, kTiles, Codes, kChunks, kWithin0>(codes, q, g, chunks_per_group, sub_scale, dots);
           for (int r = 0; r < kRows; ++r)
             for (int t = 0; t < kTiles; ++t) sums[r][t] = Simd::add_scaled(sums[r][t], dots[r][t], sub_scale[t]);
         }
-      }
+      };
+      // A plane of top bits (Q5_K, Q6_K) holds four chunks' bits per word: with groups of 16
+      // or 32 inputs a pair of groups covers whole words, the first from place 0 (g0 is even),
+      // so each chunk's place, and its shifts, are constants.
+      if constexpr (kConstantShifts)
+        for (int64_t g = g0; g < g1; g += 2) {
+          group_dots(g, std::integral_constant<int, 0>());
+          group_dots(g + 1, std::integral_constant<int, kChunks % 4>());
+        }
+      else
+        for (int64_t g = g0; g < g1; ++g) group_dots(g, std::integral_constant<int, -1>());
       I zero_terms[kRows][kTiles], min_terms[kRows][kTiles];
       for (int r = 0; r < kRows; ++r)
         for (int t = 0; t < kTiles; ++t) zero_terms[r][t] = min_terms[r][t] = Simd::set1(0);

@@ -4,7 +4,10 @@
 // gets its value differs, and each variant is one library of its own.
 //
 // or_bits(codes, plane, shift, mask): codes with ((plane >> shift) & mask) << 4 added in
-// each byte (the top bits of 5- and 6-bit codes, kept in a plane of their own).
+// each byte (the top bits of 5- and 6-bit codes, kept in a plane of their own);
+// or_bits<kShift, kMask>(codes, plane) the same with the shift known at compile time: one
+// shift moves the bits to bit 4 (a byte's bits kShift.. stay in that byte while
+// kShift + width <= 8), then a mask and an or.
 //
 // reduce(v): the sum of v's lanes, in one fixed order; reduce_max(v): their largest.
 //
@@ -143,6 +146,16 @@ struct Simd {
     const I bits = _mm512_and_si512(_mm512_srl_epi32(plane, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(mask));
     return _mm512_or_si512(codes, _mm512_slli_epi32(bits, 4));
   }
+  template <int kShift, int kMask>
+  static I or_bits(I codes, I plane) {
+    static_assert(kShift >= 0 && kShift < 8 && kMask < 16, "top bits within a byte");
+    I moved;
+    if constexpr (kShift <= 4)
+      moved = _mm512_slli_epi32(plane, 4 - kShift);
+    else
+      moved = _mm512_srli_epi32(plane, kShift - 4);
+    return _mm512_or_si512(codes, _mm512_and_si512(moved, _mm512_set1_epi8(static_cast<char>(kMask << 4))));
+  }
   template <bool kWide>
   static I dot(I acc, I w, int32_t x4) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(x4)); }
   static constexpr bool kNoByteDot = false;  // dpbusd sums byte products into 32 bits itself
@@ -211,6 +224,16 @@ struct Simd {
   static I or_bits(I codes, I plane, int shift, int mask) {
     const I bits = _mm256_and_si256(_mm256_srl_epi32(plane, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(mask));
     return _mm256_or_si256(codes, _mm256_slli_epi32(bits, 4));
+  }
+  template <int kShift, int kMask>
+  static I or_bits(I codes, I plane) {
+    static_assert(kShift >= 0 && kShift < 8 && kMask < 16, "top bits within a byte");
+    I moved;
+    if constexpr (kShift <= 4)
+      moved = _mm256_slli_epi32(plane, 4 - kShift);
+    else
+      moved = _mm256_srli_epi32(plane, kShift - 4);
+    return _mm256_or_si256(codes, _mm256_and_si256(moved, _mm256_set1_epi8(static_cast<char>(kMask << 4))));
   }
   // maddubs sums byte pairs into saturating int16: exact while codes stay below 128
   // (2 * 127 * 127 fits), so AVX2 has no 32-bit byte dot: narrow codes go through dot16 and
@@ -322,6 +345,8 @@ struct Simd {
       codes.v[l] |= static_cast<int32_t>(((static_cast<uint32_t>(plane.v[l]) >> shift) & (mask * 0x01010101u)) << 4);
     return codes;
   }
+  template <int kShift, int kMask>
+  static I or_bits(I codes, I plane) { return or_bits(codes, plane, kShift, kMask); }
   template <bool kWide>
   static I dot(I acc, I w, int32_t x4) {
     int8_t x[4];
