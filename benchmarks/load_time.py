@@ -9,6 +9,13 @@ The same GGUF file (benchmarks/real_shapes.py) through ``localserve serve`` and
 its CPU layout and stores it (``--prepared-cache``, in a fresh LOCALSERVE_HOME); every later
 load maps that. "warm": the files are in the page cache; "cold": the page cache is dropped
 first (needs root; skipped otherwise), so both read the weights from disk.
+
+"daemon" is how a model loads when localserve runs as a service (Ollama's way): the file
+is pulled into the registry once; a daemon already running (started with no model: it
+has loaded its small demo model) is asked to load it with Ollama's load call (an empty
+/api/generate), timed from the call to its answer, then its first request. For a cold
+load the page cache is dropped once the daemon is up. Ollama loads a model by starting a
+llama-server for it: the llama-server columns are the figures to compare with.
 """
 
 from __future__ import annotations
@@ -41,6 +48,18 @@ def drop_page_cache() -> bool:
         return False
 
 
+HEADERS = {"Authorization": "Bearer bench"}
+
+
+def first_request(url: str) -> float:
+    """Seconds one request (16 tokens in, 8 out) takes."""
+    start = time.perf_counter()
+    response = httpx.post(f"{url}/v1/completions", timeout=600, headers=HEADERS,
+                          json={"model": "bench", "prompt": [1, *range(300, 315)], "max_tokens": 8, "temperature": 0})
+    response.raise_for_status()
+    return time.perf_counter() - start
+
+
 def start_to_ready(command: list[str], ready: str, url: str, env: dict[str, str], log: Path) -> tuple[float, float]:
     """(seconds until ``ready`` answers 200, seconds the first request then takes)."""
     start = time.perf_counter()
@@ -48,13 +67,38 @@ def start_to_ready(command: list[str], ready: str, url: str, env: dict[str, str]
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(process, ready, log, poll_s=0.02)
-        ready_s = time.perf_counter() - start
-        first = time.perf_counter()
-        response = httpx.post(f"{url}/v1/completions", timeout=600, headers={"Authorization": "Bearer bench"},
-                              json={"model": "bench", "prompt": [1, *range(300, 315)], "max_tokens": 8,
-                                    "temperature": 0})
+        return time.perf_counter() - start, first_request(url)
+    finally:
+        stop(process)
+
+
+def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Until the daemon has loaded what it loads at start (its demo model), as a daemon
+    that has been running a while has."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if httpx.get(f"{url}/api/ps", headers=HEADERS, timeout=5).json().get("models"):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the daemon loaded nothing at start")
+
+
+def daemon_load(command: list[str], url: str, env: dict[str, str], log: Path, cold: bool) -> tuple[float, float]:
+    """A running daemon asked to load the registry model ``bench``: (seconds until it answers
+    loaded, seconds the first request then takes)."""
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_ready(process, url + "/health", log, poll_s=0.02)
+        wait_idle(url)
+        if cold:
+            drop_page_cache()
+        start = time.perf_counter()
+        response = httpx.post(f"{url}/api/generate", json={"model": "bench"}, timeout=600, headers=HEADERS)
         response.raise_for_status()
-        return ready_s, time.perf_counter() - first
+        if response.json().get("done_reason") != "load":
+            raise RuntimeError(f"not a load answer: {response.text[:200]}")
+        return time.perf_counter() - start, first_request(url)
     finally:
         stop(process)
 
@@ -71,40 +115,50 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="localserve-load-") as tmp:
         env = dict(os.environ, LOCALSERVE_HOME=str(Path(tmp) / "home"), OMP_NUM_THREADS=str(args.threads))
+        daemon_env = dict(env, LOCALSERVE_HOME=str(Path(tmp) / "daemon-home"))
+        subprocess.run([sys.executable, "-m", "localserve.cli", "pull", str(path), "--name", "bench"], env=daemon_env,
+                       check=True, stdout=subprocess.DEVNULL, timeout=1800)
 
         def run(system: str, temperature: str) -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            maker = real_shapes.localserve_command if system == "localserve" else real_shapes.llama_server_command
-            command = maker(path, port, args.threads, 1, 1024)
-            ready = url + ("/health" if system == "localserve" else "/v1/models")
+            log = Path(tmp) / f"{system}.log"
             if temperature == "cold" and not drop_page_cache():
                 return
-            figures = start_to_ready(command, ready, url, env, Path(tmp) / f"{system}.log")
+            if system == "daemon":
+                command = real_shapes.localserve_command(path, port, args.threads, 1, 1024, preload=False)
+                figures = daemon_load(command, url, daemon_env, log, cold=temperature == "cold")
+            else:
+                maker = real_shapes.localserve_command if system == "localserve" else real_shapes.llama_server_command
+                ready = url + ("/health" if system == "localserve" else "/v1/models")
+                figures = start_to_ready(maker(path, port, args.threads, 1, 1024), ready, url, env, log)
             results.setdefault((system, temperature), []).append(figures)
             print(f"  {system} {temperature}: ready {figures[0]:.2f} s, first request {figures[1]:.2f} s", flush=True)
 
         run("localserve", "first load")  # converts and stores the prepared layout
+        run("daemon", "first load")  # the registry's copy: converted and stored beside its blob
         for repeat in range(args.repeats):
-            systems = ("localserve", "llama.cpp") if repeat % 2 == 0 else ("llama.cpp", "localserve")
+            systems = ("localserve", "daemon", "llama.cpp") if repeat % 2 == 0 else ("llama.cpp", "daemon", "localserve")
             for temperature in ("warm", "cold"):
                 for system in systems:
                     run(system, temperature)
     print(f"\n{path.name}, {args.threads} threads; medians (min-max) of {args.repeats}")
-    for temperature in ("first load", "warm", "cold"):
-        ours, theirs = results.get(("localserve", temperature)), results.get(("llama.cpp", temperature))
-        if not ours:
-            continue
 
-        def cell(values: list[tuple[float, float]], i: int) -> str:
-            column = [v[i] for v in values]
-            return f"{statistics.median(column):.2f} ({min(column):.2f}-{max(column):.2f})"
+    def cell(values: list[tuple[float, float]], i: int) -> str:
+        column = [v[i] for v in values]
+        return f"{statistics.median(column):.2f} ({min(column):.2f}-{max(column):.2f})"
 
-        line = f"{temperature:10s} localserve ready {cell(ours, 0)} s, first request {cell(ours, 1)} s"
-        if theirs:
-            ratio = statistics.median(v[0] for v in ours) / statistics.median(v[0] for v in theirs)
-            line += f" | llama-server ready {cell(theirs, 0)} s, first request {cell(theirs, 1)} s | ours/theirs {ratio:.2f}x"
-        print(line)
+    for system, what in (("localserve", "process start to ready"), ("daemon", "load into the running daemon")):
+        for temperature in ("first load", "warm", "cold"):
+            ours, theirs = results.get((system, temperature)), results.get(("llama.cpp", temperature))
+            if not ours:
+                continue
+            line = f"{what}, {temperature}: localserve {cell(ours, 0)} s, first request {cell(ours, 1)} s"
+            if theirs:
+                ratio = statistics.median(v[0] for v in ours) / statistics.median(v[0] for v in theirs)
+                line += (f" | llama-server start to ready {cell(theirs, 0)} s, first request {cell(theirs, 1)} s"
+                         f" | ours/theirs {ratio:.2f}x")
+            print(line)
 
 
 if __name__ == "__main__":

@@ -362,8 +362,11 @@ def offline_tpot_llama_cpp(path: Path, threads: int, vocab: int) -> float:
     return statistics.median(tpots)
 
 
-def localserve_command(path: Path, port: int, threads: int, clients: int, ctx: int) -> list[str]:
-    return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={path}", "--device", "cpu",
+def localserve_command(path: Path, port: int, threads: int, clients: int, ctx: int, preload: bool = True) -> list[str]:
+    """``localserve serve`` for ``path`` as ``bench``; without ``preload`` it loads no model at
+    start (a registry model named bench is loaded when asked for), the options the same."""
+    model = ["--model", f"bench={path}"] if preload else []
+    return [sys.executable, "-m", "localserve.cli", "serve", *model, "--device", "cpu",
             "--port", str(port), "--log-level", "warning", "--max-num-seqs", str(max(clients, 1)),
             "--max-model-len", str(ctx), "--kv-cache-memory", str(max(clients, 1) * ctx * kv_bytes_per_token(path)),
             "--threads", str(threads), "--insecure-no-auth"]
