@@ -72,12 +72,16 @@ def start_to_ready(command: list[str], ready: str, url: str, env: dict[str, str]
         stop(process)
 
 
+SETTLE_S = 1.0  # after its demo model is listed: the mapped pages' read-ahead thread finishes
+
+
 def wait_idle(url: str, timeout_s: float = 120.0) -> None:
-    """Until the daemon has loaded what it loads at start (its demo model), as a daemon
-    that has been running a while has."""
+    """Until the daemon has loaded what it loads at start (its demo model) and settled, as a
+    daemon that has been running a while has."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if httpx.get(f"{url}/api/ps", headers=HEADERS, timeout=5).json().get("models"):
+            time.sleep(SETTLE_S)
             return
         time.sleep(0.05)
     raise RuntimeError("the daemon loaded nothing at start")

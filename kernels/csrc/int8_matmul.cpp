@@ -104,13 +104,13 @@ int32_t word(const int8_t* p) {
 }
 
 // f(0), f(1), ..., f(kCount - 1), each index a compile-time constant.
-template <int kCount, class Each, int... kIndex>
+template <class Each, int... kIndex>
 [[gnu::always_inline]] inline void each_index(Each&& f, std::integer_sequence<int, kIndex...>) {
   (f(std::integral_constant<int, kIndex>()), ...);
 }
 template <int kCount, class Each>
 [[gnu::always_inline]] inline void each_index(Each&& f) {
-  each_index<kCount>(f, std::make_integer_sequence<int, kCount>());
+  each_index(f, std::make_integer_sequence<int, kCount>());
 }
 
 // Where the codes and group scales come from, for kTiles tiles from tile0. A chunk is the
