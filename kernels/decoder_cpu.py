@@ -109,11 +109,15 @@ def _vector(t: torch.Tensor | None, size: int, what: str) -> torch.Tensor | None
 class DecoderStack:
     """Layers laid out for ``ls_decoder_layers``; it keeps every tensor it points to alive."""
 
-    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights]) -> None:
+    def __init__(self, shape: DecoderShape, layers: list[DecoderLayerWeights],
+                 final_norm: torch.Tensor | None = None) -> None:
+        """``final_norm``: the model's last RMS norm's fp32 gain, applied after the last layer
+        (None: ``run`` returns the residual stream)."""
         if not layers:
             raise ValueError("a decoder stack needs at least one layer")
         self.shape = shape
         self.layers = layers
+        self.final_norm = _vector(final_norm, shape.hidden, "final norm")
         self.cache_blocks = layers[0].cache.key.shape[0]
         self.block_size = layers[0].cache.key.shape[1]
         self._shape = cpu_library.DecoderShapeDesc(shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
@@ -188,8 +192,9 @@ class DecoderStack:
 
     def run(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
             ) -> torch.Tensor:
-        """x ``[tokens, hidden]`` (fp32) through every layer; writes this step's K/V. ``ropes``:
-        each rotary table's cos and sin at the rows' positions (``[tokens, 1, rotary_dim]``)."""
+        """x ``[tokens, hidden]`` (fp32) through every layer and the final norm, if the stack
+        has one; writes this step's K/V. ``ropes``: each rotary table's cos and sin at the rows'
+        positions (``[tokens, 1, rotary_dim]``)."""
         s = self.shape
         x = x.clone(memory_format=torch.contiguous_format)
         tokens = x.shape[0]
@@ -218,7 +223,7 @@ class DecoderStack:
         lib = cpu_library.library()
         assert lib is not None, "the CPU kernels are not available"
         lib.ls_decoder_layers(ctypes.byref(self._shape), self._table, len(self.layers), ctypes.byref(batch),
-                              x.data_ptr())
+                              _address(self.final_norm), x.data_ptr())
         return x
 
 

@@ -37,6 +37,8 @@ def stack_for(model: nn.Module, caches: list[KVCache]) -> DecoderStack | None:
     rotary_dim = model.rotary.rotary_dim
     if rotary_dim % 2 or (model.local_rotary is not None and model.local_rotary.rotary_dim != rotary_dim):
         return None
+    if not _plain_norm(model.norm, spec.rms_norm_eps):
+        return None
     dense = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MLP)]
     layers = []
     for layer, cache in zip(model.layers, caches):
@@ -48,7 +50,7 @@ def stack_for(model: nn.Module, caches: list[KVCache]) -> DecoderStack | None:
         return None
     shape = DecoderShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, rotary_dim,
                          dense[0].intermediate_size if dense else 0, spec.rms_norm_eps)
-    return DecoderStack(shape, layers)
+    return DecoderStack(shape, layers, final_norm=model.norm.weight.data)
 
 
 def _projection(linear: Linear) -> Projection | None:

@@ -171,10 +171,9 @@ class LlamaForCausalLM(nn.Module):
             ropes.append(self.local_rotary.lookup(positions, x.dtype))
         stack = self._cpu_stack(kv_caches) if use_cpu_kernels(x) else None
         if stack is not None:
-            x = stack.run(x, ropes, meta)
-        else:
-            for layer, cache in zip(self.layers, kv_caches):
-                x = layer(x, ropes[layer.attn.rope_index], cache, meta)
+            return stack.run(x, ropes, meta)  # the final norm included
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, ropes[layer.attn.rope_index], cache, meta)
         return self.norm(x)
 
     def _cpu_stack(self, kv_caches: list[KVCache]) -> DecoderStack | None:

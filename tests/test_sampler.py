@@ -9,6 +9,18 @@ import torch
 
 from localserve.engine.sampler import Sampler, SamplingRow
 from localserve.engine.sampling_params import SamplingParams
+from localserve.kernels import cpu_library, sampling_cpu
+from localserve.kernels.dispatch import KernelChoice, using
+
+
+@pytest.fixture(autouse=True, params=["cpu_kernels", "torch"])
+def sampler_path(request: pytest.FixtureRequest) -> object:
+    """Every test twice: the argmax and draws through the compiled CPU kernels
+    (kernels/sampling_cpu.py), and through the torch code (the GPU's)."""
+    if request.param == "cpu_kernels" and not cpu_library.available():
+        pytest.skip("the CPU kernels are not built")
+    with using(KernelChoice(cpu_kernels=request.param == "cpu_kernels")):
+        yield request.param
 
 
 def make_row(
@@ -305,3 +317,59 @@ def test_logits_an_extreme_penalty_overflowed_still_give_a_token() -> None:
 def test_a_top_p_too_small_for_float32_keeps_the_best_token() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]] * 4)
     assert Sampler()(logits, [make_row(top_p=5e-324, seed=s) for s in range(4)]).token_ids == [1] * 4
+
+
+def test_the_kernels_argmax_is_torchs_with_ties_infinities_and_nan(sampler_path: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 128_256, generator=gen)
+    logits[1, [5, 90_000]] = 9.0  # a tie: the first wins
+    logits[2, 70_000] = math.inf
+    logits[3] = -math.inf
+    logits[4, [100, 127_000]] = math.nan  # a NaN counts as the largest, the first of them
+    logits[5, -1] = 50.0  # the answer in a last, partial block
+    assert sampling_cpu.argmax(logits).tolist() == logits.argmax(-1).tolist()
+    assert sampling_cpu.takes(logits) == (sampler_path == "cpu_kernels")
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.8, "top_k": 40, "top_p": 0.9}, {"temperature": 1.0},
+                                    {"temperature": 0.7, "min_p": 0.05}, {"temperature": 1.2, "top_p": 0.5}])
+def test_the_kernels_draw_the_torch_samplers_tokens_from_the_same_uniforms(params: dict[str, object]) -> None:
+    """Seeded rows take the same uniforms on both paths: the tokens agree but where sums in
+    another order put a draw on the other side of a boundary. That happens with top_p over a
+    flat distribution (the mass above a drawn token, 128k terms, against top_p: 4 rows in
+    256 measured), not with top_k, min_p or a plain draw (none in 256)."""
+    logits = torch.randn(64, 128_256, generator=torch.Generator().manual_seed(5)) * 2.5
+    tokens = {}
+    for kernels in (True, False):
+        rows = [make_row(seed=s, **params) for s in range(64)]
+        with using(KernelChoice(cpu_kernels=kernels)):
+            tokens[kernels] = Sampler()(logits, rows).token_ids
+    agree = sum(a == b for a, b in zip(tokens[True], tokens[False]))
+    assert agree >= (58 if "top_k" not in params and "top_p" in params else 64), (agree, tokens)
+    assert len(set(tokens[True])) > 1
+
+
+def test_every_built_kernel_library_samples_alike() -> None:
+    """Each library built here (the generic one too, where built) takes the same argmax as
+    torch and draws the same tokens as the library in use, from the same uniforms."""
+    flags = cpu_library.cpu_flags()
+    runnable = [name for name, needs in cpu_library.VARIANTS.items()
+                if cpu_library.library_path(name).is_file() and set(needs) <= flags]
+    if not runnable:
+        pytest.skip("the CPU kernels are not built")
+    logits = torch.randn(8, 50_000, generator=torch.Generator().manual_seed(2)) * 3
+    uniforms = torch.rand(8, 4, generator=torch.Generator().manual_seed(3))
+    settings = (torch.full((8,), 0.8), torch.tensor([40, 0, 40, 0, 5, 0, 1, 0]), torch.tensor([0.9, 1.0] * 4),
+                torch.tensor([0.0, 0.0, 0.0, 0.05] * 2))
+    found = {}
+    for name in runnable:
+        lib = cpu_library.load(name)
+        argmax = torch.empty(8, dtype=torch.int64)
+        lib.ls_argmax_rows(logits.data_ptr(), 8, logits.shape[1], argmax.data_ptr())
+        assert argmax.tolist() == logits.argmax(-1).tolist(), name
+        tokens = torch.empty(8, dtype=torch.int64)
+        lib.ls_sample_rows(logits.data_ptr(), 8, logits.shape[1], *(t.data_ptr() for t in settings),
+                           uniforms.data_ptr(), 4, tokens.data_ptr())
+        found[name] = tokens.tolist()
+    assert all(0 <= t < logits.shape[1] for t in found[runnable[0]])
+    assert all(tokens == found[cpu_library.variant()] for tokens in found.values()), found

@@ -183,11 +183,12 @@ struct ls_decoder_batch {
   int64_t batch;
 };
 
-// x [tokens, hidden] through `count` layers in place, in one parallel region. Every step
-// works row by row (the matmuls as ls_int8_matmul / ls_dense_matmul compute them): a row's
-// result depends on nothing but that row and its cache.
+// x [tokens, hidden] through `count` layers in place, in one parallel region, then through
+// the model's final RMS norm (final_norm: its gain; null: x is left the residual stream).
+// Every step works row by row (the matmuls as ls_int8_matmul / ls_dense_matmul compute
+// them): a row's result depends on nothing but that row and its cache.
 void ls_decoder_layers(const ls_decoder_shape* shape, const ls_decoder_layer* layers, int64_t count,
-                       const ls_decoder_batch* batch, float* x);
+                       const ls_decoder_batch* batch, const float* final_norm, float* x);
 
 // Profiling (benchmarks/decode_profile.py): while on, the seconds each kind of step takes
 // are summed over calls. Copies the sums into seconds [LS_DECODER_STEPS] (unless null),
@@ -215,5 +216,18 @@ void ls_paged_attention(const float* query, int64_t tokens, int64_t heads, int64
                         const int32_t* block_tables, int64_t max_blocks, const int32_t* query_start,
                         const int32_t* seq_lens, int64_t batch, float scale, int64_t window, float softcap,
                         const float* sinks, float* out);
+
+// --- sampling (sampling.cpp; localserve/engine/sampler.py has the meaning) --------------
+//
+// out[r]: the first index of row r's largest logit (a NaN counts as largest), as torch.argmax.
+void ls_argmax_rows(const float* logits, int64_t rows, int64_t vocab, int64_t* out);
+// out[r]: row r's token drawn from softmax(logits / temperature[r]) restricted to its top_k[r]
+// largest (0 or >= vocab: all; ties at the edge kept), without the tokens under min_p[r] times
+// the best one's probability, with top_p[r] by rejection: a drawn token is kept while the
+// probability of the tokens more likely than it is below top_p; else it and every token as
+// likely or less are dropped and the row's next uniform draws again. uniforms [rows, count]
+// in [0, 1); -1 where a row's count uniforms were not enough (call again with more).
+void ls_sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* temperature, const int64_t* top_k,
+                    const float* top_p, const float* min_p, const float* uniforms, int64_t count, int64_t* out);
 }
 #pragma GCC visibility pop

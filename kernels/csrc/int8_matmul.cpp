@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -59,12 +60,22 @@ Int8Rows rows_of(const Int8Buffer& b) {
   return {b.k, b.k / b.x_block, b.k / b.group, b.q.data(), b.d.data(), b.q_sum.data(), b.q_sum_f.data()};
 }
 
-void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int8_t* q, float* d, int32_t* q_sum,
-                  float* q_sum_f) {
-  for (int64_t b = 0; b < k / x_block; ++b) {
+// Inputs [from, to) of one row, whole x blocks and whole groups: their int8 values, each
+// block's d and each group's sum.
+void quantize_span(const float* x, int64_t from, int64_t to, int64_t x_block, int64_t group, int8_t* q, float* d,
+                   int32_t* q_sum, float* q_sum_f) {
+  for (int64_t b = from / x_block; b < to / x_block; ++b) {
     const float* src = x + b * x_block;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < x_block; ++j) amax = std::max(amax, std::fabs(src[j]));
+    // max |x| as the largest bit pattern with the sign cleared (the same order for finite
+    // floats): an integer max, which the compiler vectorizes where it will not a float one.
+    uint32_t most = 0;
+    for (int64_t j = 0; j < x_block; ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, src + j, sizeof bits);
+      most = std::max(most, bits & 0x7FFFFFFFu);
+    }
+    float amax;
+    std::memcpy(&amax, &most, sizeof amax);
     const float scale = amax / 127.0f;
     d[b] = scale;
     // nearbyint rounds half to even, as torch.round in the reference; x / d, not
@@ -72,7 +83,7 @@ void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int
     for (int64_t j = 0; j < x_block; ++j)
       q[b * x_block + j] = scale == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(src[j] / scale));
   }
-  for (int64_t g = 0; g < k / group; ++g) {
+  for (int64_t g = from / group; g < to / group; ++g) {
     int32_t sum = 0;
     for (int64_t j = 0; j < group; ++j) sum += q[g * group + j];
     q_sum[g] = sum;
@@ -80,21 +91,26 @@ void quantize_row(const float* x, int64_t k, int64_t x_block, int64_t group, int
   }
 }
 
-// A buffer for rows of x rounded for weights of w's k, x_block and group.
+// A buffer for rows of x rounded for weights of w's k, x_block and group. Rows are rounded in
+// spans of whole x blocks and groups, of at least 512 inputs where k allows, shared out
+// among the threads: one decode row's rounding would otherwise keep one thread busy alone.
 void size_buffer(Int8Buffer& b, const ls_tiled_weight& w, int64_t rows) {
   b.k = w.k;
   b.x_block = w.x_block;
   b.group = w.group;
+  b.span = std::lcm(w.x_block, w.group);
+  while (b.span < 512 && w.k % (2 * b.span) == 0) b.span *= 2;
   b.q.resize(rows * w.k);
   b.d.resize(rows * (w.k / w.x_block));
   b.q_sum.resize(rows * (w.k / w.group));
   b.q_sum_f.resize(rows * (w.k / w.group));
 }
 
-void quantize_buffer_row(const float* x, int64_t m, Int8Buffer& b) {
+// Span `span` of row m of x, rounded into b.
+void quantize_buffer_span(const float* x, int64_t m, int64_t span, Int8Buffer& b) {
   const int64_t x_blocks = b.k / b.x_block, groups = b.k / b.group;
-  quantize_row(x + m * b.k, b.k, b.x_block, b.group, b.q.data() + m * b.k, b.d.data() + m * x_blocks,
-               b.q_sum.data() + m * groups, b.q_sum_f.data() + m * groups);
+  quantize_span(x + m * b.k, span * b.span, (span + 1) * b.span, b.x_block, b.group, b.q.data() + m * b.k,
+                b.d.data() + m * x_blocks, b.q_sum.data() + m * groups, b.q_sum_f.data() + m * groups);
 }
 
 int32_t word(const int8_t* p) {
@@ -598,9 +614,15 @@ void int8_matmul_team(const MatmulJob* jobs, int64_t count, const float* x, int6
     }
     s.forms.resize(used);
   }
-  const int64_t forms = static_cast<int64_t>(s.forms.size());
+  int64_t spans = 0;
+  for (const Int8Buffer& form : s.forms) spans += x_rows * (form.k / form.span);
 #pragma omp for schedule(static)
-  for (int64_t i = 0; i < forms * x_rows; ++i) quantize_buffer_row(x, i % x_rows, s.forms[i / x_rows]);
+  for (int64_t item = 0; item < spans; ++item) {
+    int64_t at = item, f = 0;
+    for (; at >= x_rows * (s.forms[f].k / s.forms[f].span); ++f) at -= x_rows * (s.forms[f].k / s.forms[f].span);
+    const int64_t per_row = s.forms[f].k / s.forms[f].span;
+    quantize_buffer_span(x, at / per_row, at % per_row, s.forms[f]);
+  }
   const int64_t tasks = s.task_start[count];
   // Handed out in chunks as threads come for them, not split in equal halves up front: on a
   // machine where another program holds a core, the thread sharing it does less of the work

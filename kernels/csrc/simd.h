@@ -183,8 +183,10 @@ struct Simd {
   static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
@@ -282,8 +284,10 @@ struct Simd {
   static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -388,8 +392,10 @@ struct Simd {
   static F to_float(I a) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = static_cast<float>(a.v[l]); return r; }
   static F fmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = a.v[l] * b.v[l] + c.v[l]; return c; }
   static F add(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] += b.v[l]; return a; }
+  static F sub(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] -= b.v[l]; return a; }
   static F fnmadd(F a, F b, F c) { for (int l = 0; l < kLanes; ++l) c.v[l] = c.v[l] - a.v[l] * b.v[l]; return c; }
   static F mul(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] *= b.v[l]; return a; }
+  static F div(F a, F b) { for (int l = 0; l < kLanes; ++l) a.v[l] /= b.v[l]; return a; }
   static F set1f(float v) { F r; for (auto& e : r.v) e = v; return r; }
   static F zerof() { return set1f(0.0f); }
   static F load_half(const uint16_t* p) { F r; for (int l = 0; l < kLanes; ++l) r.v[l] = half_to_float(p[l]); return r; }

@@ -25,6 +25,7 @@ struct Output {
 // x rounded to int8 for one rounding form (k, x_block, group), all rows of a call.
 struct Int8Buffer {
   int64_t k = 0, x_block = 0, group = 0;
+  int64_t span = 0;  // inputs rounded as one work item: whole x blocks and groups
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<int32_t> q_sum;

@@ -14,6 +14,7 @@ from itertools import chain
 
 import torch
 
+from ..kernels import sampling_cpu
 from .sampling_params import SamplingParams
 from .structured_output import allowed_tokens
 
@@ -47,6 +48,10 @@ class SamplerOutput:
 def _is_greedy(params: SamplingParams) -> bool:
     # top_k=1 is routed to argmax so it matches greedy exactly, ties included.
     return params.greedy or params.top_k == 1
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return sampling_cpu.argmax(logits) if sampling_cpu.takes(logits) else logits.argmax(dim=-1)
 
 
 def _flat_index(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,11 +107,13 @@ class Sampler:
         penalized = self.penalized_logits(logits, rows, grammar_masks)
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
         if len(greedy) == len(rows):
-            token_ids = penalized.argmax(dim=-1)
+            token_ids = _argmax(penalized)
+        elif not greedy:
+            token_ids = self._sample(penalized, rows)
         else:
             token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
             if greedy:
-                token_ids[greedy] = penalized[greedy].argmax(dim=-1)
+                token_ids[greedy] = _argmax(penalized[greedy])
             sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
             token_ids[sampled] = self._sample(penalized[sampled], [rows[i] for i in sampled])
 
@@ -123,20 +130,11 @@ class Sampler:
 
     def penalized_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                          grammar_masks: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
-        """float32 copy of `logits` after the grammar masks, min_tokens suppression, the three
-        penalties and the logit bias.
-
-        This is what greedy rows take the argmax of; the input is never modified.
+        """float32 `logits` after the grammar masks, min_tokens suppression, the three
+        penalties and the logit bias: a copy where any of them applies, else the input itself
+        (as float32). This is what greedy rows take the argmax of; the input is never modified.
         """
-        logits = logits.to(torch.float32, copy=True)
-        device, vocab = logits.device, logits.shape[1]
-
-        # Structured outputs: what the grammar does not allow is out, whatever comes after.
-        if grammar_masks is not None:
-            masked, bitmask = grammar_masks
-            allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab)
-            logits[masked] = logits[masked].masked_fill(~allowed, _NEG_INF)
-
+        vocab = logits.shape[1]
         # min_tokens: ban EOS and stop tokens so the request cannot end too early.
         banned = [
             (i, t)
@@ -145,22 +143,35 @@ class Sampler:
             for t in r.eos_token_ids | set(r.params.stop_token_ids)
             if 0 <= t < vocab
         ]
+        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        pf = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
+        if grammar_masks is None and not (banned or rep or pf or bias):
+            return logits.float()  # a 128k-vocabulary copy costs a CPU decode step ~0.15 ms
+        logits = logits.to(torch.float32, copy=True)
+        device = logits.device
+
+        # Structured outputs: what the grammar does not allow is out, whatever comes after.
+        if grammar_masks is not None:
+            masked, bitmask = grammar_masks
+            allowed = allowed_tokens(bitmask.to(device, non_blocking=True), vocab)
+            logits[masked] = logits[masked].masked_fill(~allowed, _NEG_INF)
+
         if banned:
             b_rows, b_cols = zip(*banned)
             logits[list(b_rows), list(b_cols)] = _NEG_INF
 
         # Repetition penalty (HF): every distinct token seen in prompt or output is
-        # pushed towards "less likely" -- divided if positive, multiplied if negative.
-        rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+        # pushed towards "less likely" -- divided if positive, multiplied if negative. Only
+        # the seen tokens are touched (a token seen twice is written twice, the same value).
         if rep:
-            seen = torch.zeros(len(rep), vocab, dtype=torch.bool, device=device)
-            seen[_flat_index([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], device)] = True
-            penalty = _column([rows[i].params.repetition_penalty for i in rep], device)
-            sub = logits[rep]
-            logits[rep] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+            index = _flat_index([rows[i].prompt_token_ids + rows[i].output_token_ids for i in rep], device)
+            penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=device)[index[0]]
+            index = (torch.tensor(rep, device=device)[index[0]], index[1])
+            seen = logits[index]
+            logits[index] = torch.where(seen > 0, seen / penalty, seen * penalty)
 
         # Presence/frequency penalties (OpenAI): subtract per occurrence and once per token.
-        pf = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
         if pf:
             counts = torch.zeros(len(pf), vocab, dtype=torch.float32, device=device)
             index = _flat_index([rows[i].output_token_ids for i in pf], device)
@@ -171,7 +182,6 @@ class Sampler:
 
         # Logit bias (OpenAI): added last, so +100 forces a token and -100 bans it, greedy or not.
         # (vLLM adds it before the penalties; only repetition_penalty's scaling tells the two apart.)
-        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias.items()]
         if bias:
             b_rows, b_cols, b_values = zip(*bias)
             index = (torch.tensor(b_rows, device=device), torch.tensor(b_cols, device=device))
@@ -181,6 +191,24 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of (already penalised) float32 logits."""
         device, vocab = logits.device, logits.shape[1]
+
+        # One uniform number per row and draw; a seeded row draws from its own generator
+        # only, so its tokens do not depend on what else is in the batch.
+        def uniforms(batch: list[int]) -> torch.Tensor:
+            u = torch.empty(len(batch), 1, device=device)
+            unseeded = [j for j, i in enumerate(batch) if rows[i].generator is None]
+            if unseeded:
+                u[unseeded] = torch.rand(len(unseeded), 1, device=device)
+            for j, i in enumerate(batch):
+                if rows[i].generator is not None:
+                    u[j] = torch.rand(1, generator=rows[i].generator, device=device)
+            return u
+
+        if sampling_cpu.takes(logits):  # the same steps, compiled (kernels/sampling_cpu.py)
+            params = [r.params for r in rows]
+            return sampling_cpu.draw(logits, [p.temperature for p in params], [p.top_k for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params], uniforms)
+
         logits = logits / _column([r.params.temperature for r in rows], device)
 
         # top_k: keep tokens at least as large as the k-th largest (ties at the edge stay).
@@ -201,18 +229,6 @@ class Sampler:
             floor = _column([rows[i].params.min_p for i in min_p], device) * sub.max(dim=-1, keepdim=True).values
             weights = probs.clone()
             weights[min_p] = sub.masked_fill(sub < floor, 0.0)
-
-        # One uniform number per row and draw; a seeded row draws from its own generator
-        # only, so its tokens do not depend on what else is in the batch.
-        def uniforms(batch: list[int]) -> torch.Tensor:
-            u = torch.empty(len(batch), 1, device=device)
-            unseeded = [j for j, i in enumerate(batch) if rows[i].generator is None]
-            if unseeded:
-                u[unseeded] = torch.rand(len(unseeded), 1, device=device)
-            for j, i in enumerate(batch):
-                if rows[i].generator is not None:
-                    u[j] = torch.rand(1, generator=rows[i].generator, device=device)
-            return u
 
         tokens = _draw(weights, uniforms(list(range(len(rows)))))
 
