@@ -144,8 +144,10 @@ class TiledWeight:
         """Rows ``index`` as dense ``[len(index), in_features]`` (an embedding lookup),
         exactly the values the QuantWeight's ``dequantize`` gives."""
         flat = index.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
-            raise IndexError(f"row index out of range for {self.out_features} rows")
+        if flat.numel():
+            low, high = flat.aminmax()  # one op: a decode step's torch calls run cold
+            if not (0 <= int(low) and int(high) < self.out_features):
+                raise IndexError(f"row index out of range for {self.out_features} rows")
         out = torch.empty(flat.numel(), self.in_features)
         _library().ls_tiled_dequantize_rows(ctypes.byref(self.desc), flat.data_ptr(), flat.numel(), out.data_ptr())
         return out.view(*index.shape, self.in_features).to(dtype)

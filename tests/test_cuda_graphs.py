@@ -83,6 +83,7 @@ def test_padding_rows_write_no_slot_and_read_one_key() -> None:
 
     unpadded = prepare_inputs(batch, block_size=16, device=torch.device("cpu"))
     assert unpadded.input_ids.tolist() == [7, 22]
+    assert unpadded.logits_rows is None  # every row samples, in order: the hidden states as they are
 
     with pytest.raises(ValueError, match="cannot pad"):
         prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=1)
