@@ -142,12 +142,13 @@ struct TiledCodes {
   static constexpr bool kMinsForm = kMins, kTwoLevels = kTwoLevel;
   static constexpr bool kTopBitPlane = kHigh > 0;
   const ls_tiled_weight& w;
-  int64_t tile0, groups, supers;
+  int64_t tile0, groups, supers, chunks, tiles;
   const uint8_t *codes[kTiles], *high_planes[kTiles];
   I levels;
 
   TiledCodes(const ls_tiled_weight& weight, int64_t first_tile)
-      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super) {
+      : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super),
+        chunks(weight.k / kInputs), tiles((weight.n + kLanes - 1) / kLanes) {
     if constexpr (kLevels) levels = Simd::broadcast16(w.levels);
     for (int t = 0; t < kTiles; ++t) {
       codes[t] = w.codes + (tile0 + t) * (w.k / kInputs) * kLanes * 4;
@@ -159,6 +160,7 @@ struct TiledCodes {
   // the top-bit plane) where the caller knows it at compile time, for constant shifts; else -1.
   template <int kWithin = -1>
   void load(int t, int64_t c, I parts[kParts]) const {
+    prefetch_ahead(t, c);
     const I codes_word = Simd::load_codes(codes[t] + c * kLanes * 4);
     if constexpr (!kNibbles) {
       parts[0] = codes_word;
@@ -191,6 +193,55 @@ struct TiledCodes {
       parts[0] = low;
       parts[1] = high;
     }
+  }
+
+  // One stream of decode reads each tile's codes and scales as short runs (16 KB of codes for
+  // a tile of a 2048-input Q4_K weight), several at a time: too short and too many for the
+  // hardware prefetchers to keep ahead of, so the loads waited on memory between bursts of
+  // arithmetic (Q4_K at 17 GB/s a thread where a plain read gets 28, on Zen 4). So the memory
+  // system is asked for them kAheadBytes of codes early: a chunk's codes line as the chunk
+  // loads, a block's scales as the block begins. Past a tile's end, the same place in the tile
+  // kTiles on: the next task's, which this thread takes next unless the other takes it. Into
+  // L2 (locality 1): into L1 it was slower, and so was asking for Q6_K's top-bit planes too.
+  // Tiles of longer runs (a down projection's 8,192 inputs: 64 KB) the hardware streams well
+  // alone; asked for as well, they came out slower.
+  static constexpr int64_t kAheadBytes = 8192, kAheadChunks = kAheadBytes / (kLanes * 4);
+  static constexpr int64_t kLongestAskedRun = 32 << 10;
+  static constexpr int64_t kChunksPerLine = kLanes * 4 >= 64 ? 1 : 64 / (kLanes * 4);
+
+  // (tile, position) of the place `ahead` units after position `at` of tile t, where a tile
+  // has `per_tile` of them; tile >= tiles: past the weight.
+  std::pair<int64_t, int64_t> ahead_of(int t, int64_t at, int64_t ahead, int64_t per_tile) const {
+    const int64_t to = at + ahead;
+    return {tile0 + t + kTiles * (to / per_tile), to % per_tile};
+  }
+
+  bool asks_ahead() const { return chunks * kLanes * 4 <= kLongestAskedRun; }
+
+  void prefetch_ahead(int t, int64_t c) const {
+    if (c % kChunksPerLine != 0 || !asks_ahead()) return;
+    const auto [tile, chunk] = ahead_of(t, c, kAheadChunks, chunks);
+    if (tile < tiles) __builtin_prefetch(w.codes + (tile * chunks + chunk) * kLanes * 4, 0, 1);
+  }
+
+  // The scales of the x block kAheadBytes of codes after block xb of tile t.
+  void prefetch_scales(int t, int64_t xb) const {
+    if (!asks_ahead()) return;
+    const int64_t chunks_per_block = w.x_block / kInputs, blocks = w.k / w.x_block;
+    const auto [tile, block] = ahead_of(t, xb, std::max<int64_t>(1, kAheadChunks / chunks_per_block), blocks);
+    if (tile >= tiles) return;
+    const int64_t block_groups = w.x_block / w.group, block_supers = std::max<int64_t>(1, block_groups / w.groups_per_super);
+    const int64_t group = tile * groups + block * block_groups, super = tile * supers + block * block_supers;
+    prefetch_lines(w.super_scales + super * kLanes, block_supers * kLanes * 2);
+    if (w.super_mins) prefetch_lines(w.super_mins + super * kLanes, block_supers * kLanes * 2);
+    if (w.sub_scales) prefetch_lines(w.sub_scales + group * kLanes, block_groups * kLanes);
+    if (w.sub_mins) prefetch_lines(w.sub_mins + group * kLanes, block_groups * kLanes);
+  }
+
+  static void prefetch_lines(const void* from, int64_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(from) + bytes;
+    for (uintptr_t line = first; line < end; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
   }
 
   // One level: the group's scale and min as floats.
@@ -262,6 +313,7 @@ struct PanelCodes {
 
   template <int kWithin = -1>
   void load(int t, int64_t c, I parts[1]) const { parts[0] = Simd::load_codes(panel->codes[t][c - chunk0]); }
+  void prefetch_scales(int, int64_t) const {}  // filled from TiledCodes, which asked ahead
   F super_scale(int t, int64_t) const { return Simd::loadf(panel->super_scales[t]); }
   F super_min(int t, int64_t) const { return Simd::loadf(panel->super_mins[t]); }
   I sub_scale(int t, int64_t g) const { return panel->sub_scales[g - group0][t]; }
@@ -356,6 +408,7 @@ template <int kRows, int kTiles, class Codes, int kGroup = 0>
 
   for (int64_t xb = xb0; xb < xb1; ++xb) {
     const int64_t g0 = xb * groups_per_x_block, g1 = g0 + groups_per_x_block;
+    for (int t = 0; t < kTiles; ++t) codes.prefetch_scales(t, xb);
     F block[kRows][kTiles];
     if constexpr (Codes::kTwoLevels) {
       // I = sum_g s_g * I_g first; then, with q_sum_g = sum_g(q), the zero point's (and a
