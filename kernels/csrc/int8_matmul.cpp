@@ -129,6 +129,10 @@ template <int kCount, class Each>
   each_index(f, std::make_integer_sequence<int, kCount>());
 }
 
+// Whether a tile's runs are short (4,096 inputs or fewer: 32 KB of nibbles on AVX-512), too
+// short for the hardware prefetchers to keep ahead of (see TiledCodes::prefetch_ahead).
+bool short_runs(const ls_tiled_weight& w) { return w.k <= 4096; }
+
 // Where the codes and group scales come from, for kTiles tiles from tile0. A chunk is the
 // inputs one code vector covers: 8 for nibbles (two vectors, inputs 0-3 and 4-7, unpacked
 // as they are loaded) or 4 for bytes. With kLevels, each nibble is looked up in the weight's
@@ -206,7 +210,6 @@ struct TiledCodes {
   // Tiles of longer runs (a down projection's 8,192 inputs: 64 KB) the hardware streams well
   // alone; asked for as well, they came out slower.
   static constexpr int64_t kAheadBytes = 8192, kAheadChunks = kAheadBytes / (kLanes * 4);
-  static constexpr int64_t kLongestAskedRun = 32 << 10;
   static constexpr int64_t kChunksPerLine = kLanes * 4 >= 64 ? 1 : 64 / (kLanes * 4);
 
   // (tile, position) of the place `ahead` units after position `at` of tile t, where a tile
@@ -216,7 +219,7 @@ struct TiledCodes {
     return {tile0 + t + kTiles * (to / per_tile), to % per_tile};
   }
 
-  bool asks_ahead() const { return chunks * kLanes * 4 <= kLongestAskedRun; }
+  bool asks_ahead() const { return short_runs(w); }
 
   void prefetch_ahead(int t, int64_t c) const {
     if (c % kChunksPerLine != 0 || !asks_ahead()) return;
@@ -613,15 +616,22 @@ TileKernels kernels_for(const ls_tiled_weight& w) {
   }
 }
 
-// A weight's work splits into tasks: pairs of tiles, then a last odd tile alone.
-int64_t tile_tasks(const ls_tiled_weight& w) {
+// A weight's work splits into tasks: pairs of tiles, which share each broadcast of x, then a
+// last odd tile alone. With few rows of short-run tiles, tiles alone: a task then streams one
+// tile's codes and scales instead of two tiles' side by side, which one thread read at 17 GB/s
+// and alone at 24-25 (Zen 4, Q4_K of 2,048 inputs; 2 threads 29-31 -> 31-34 GB/s, with the
+// VM's bandwidth near its busy 34). Longer runs (down: 8,192 inputs) stream better in pairs.
+bool tiles_alone(const ls_tiled_weight& w, int64_t rows) { return rows < kPanelRows && short_runs(w); }
+
+int64_t tile_tasks(const ls_tiled_weight& w, int64_t rows) {
   const int64_t tiles = (w.n + kLanes - 1) / kLanes;
-  return tiles / 2 + tiles % 2;
+  return tiles_alone(w, rows) ? tiles : tiles / 2 + tiles % 2;
 }
 
 void run_tile_task(const TileKernels& kernels, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows,
                    int64_t task, const Output& out) {
   const int64_t tiles = (w.n + kLanes - 1) / kLanes;
+  if (tiles_alone(w, rows)) return kernels.single(w, xq, rows, task, out);
   (2 * task + 1 < tiles ? kernels.pair : kernels.single)(w, xq, rows, 2 * task, out);
 }
 
@@ -663,7 +673,7 @@ void int8_matmul_team(const MatmulJob* jobs, int64_t count, const float* x, int6
         size_buffer(s.forms[used++], w, x_rows);
       }
       s.job_form[i] = static_cast<int32_t>(f);
-      s.task_start[i + 1] = s.task_start[i] + (jobs[i].rows > 0 ? tile_tasks(w) : 0);
+      s.task_start[i + 1] = s.task_start[i] + (jobs[i].rows > 0 ? tile_tasks(w, jobs[i].rows) : 0);
     }
     s.forms.resize(used);
   }
