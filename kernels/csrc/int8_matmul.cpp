@@ -133,6 +133,8 @@ template <int kCount, class Each>
 // short for the hardware prefetchers to keep ahead of (see TiledCodes::prefetch_ahead).
 bool short_runs(const ls_tiled_weight& w) { return w.k <= 4096; }
 
+int64_t tile_count(const ls_tiled_weight& w) { return (w.n + kLanes - 1) / kLanes; }
+
 // Where the codes and group scales come from, for kTiles tiles from tile0. A chunk is the
 // inputs one code vector covers: 8 for nibbles (two vectors, inputs 0-3 and 4-7, unpacked
 // as they are loaded) or 4 for bytes. With kLevels, each nibble is looked up in the weight's
@@ -147,15 +149,16 @@ struct TiledCodes {
   static constexpr bool kTopBitPlane = kHigh > 0;
   const ls_tiled_weight& w;
   int64_t tile0, groups, supers, chunks, tiles;
+  bool asks_ahead;  // short runs: see prefetch_ahead
   const uint8_t *codes[kTiles], *high_planes[kTiles];
   I levels;
 
   TiledCodes(const ls_tiled_weight& weight, int64_t first_tile)
       : w(weight), tile0(first_tile), groups(weight.k / weight.group), supers(groups / weight.groups_per_super),
-        chunks(weight.k / kInputs), tiles((weight.n + kLanes - 1) / kLanes) {
+        chunks(weight.k / kInputs), tiles(tile_count(weight)), asks_ahead(short_runs(weight)) {
     if constexpr (kLevels) levels = Simd::broadcast16(w.levels);
     for (int t = 0; t < kTiles; ++t) {
-      codes[t] = w.codes + (tile0 + t) * (w.k / kInputs) * kLanes * 4;
+      codes[t] = w.codes + (tile0 + t) * chunks * kLanes * 4;
       high_planes[t] = kHigh > 0 ? w.high + (tile0 + t) * (w.k / 32) * kHigh * kLanes * 4 : nullptr;
     }
   }
@@ -219,17 +222,15 @@ struct TiledCodes {
     return {tile0 + t + kTiles * (to / per_tile), to % per_tile};
   }
 
-  bool asks_ahead() const { return short_runs(w); }
-
   void prefetch_ahead(int t, int64_t c) const {
-    if (c % kChunksPerLine != 0 || !asks_ahead()) return;
+    if (c % kChunksPerLine != 0 || !asks_ahead) return;
     const auto [tile, chunk] = ahead_of(t, c, kAheadChunks, chunks);
     if (tile < tiles) __builtin_prefetch(w.codes + (tile * chunks + chunk) * kLanes * 4, 0, 1);
   }
 
   // The scales of the x block kAheadBytes of codes after block xb of tile t.
   void prefetch_scales(int t, int64_t xb) const {
-    if (!asks_ahead()) return;
+    if (!asks_ahead) return;
     const int64_t chunks_per_block = w.x_block / kInputs, blocks = w.k / w.x_block;
     const auto [tile, block] = ahead_of(t, xb, std::max<int64_t>(1, kAheadChunks / chunks_per_block), blocks);
     if (tile >= tiles) return;
@@ -624,13 +625,13 @@ TileKernels kernels_for(const ls_tiled_weight& w) {
 bool tiles_alone(const ls_tiled_weight& w, int64_t rows) { return rows < kPanelRows && short_runs(w); }
 
 int64_t tile_tasks(const ls_tiled_weight& w, int64_t rows) {
-  const int64_t tiles = (w.n + kLanes - 1) / kLanes;
+  const int64_t tiles = tile_count(w);
   return tiles_alone(w, rows) ? tiles : tiles / 2 + tiles % 2;
 }
 
 void run_tile_task(const TileKernels& kernels, const ls_tiled_weight& w, const Int8Rows& xq, int64_t rows,
                    int64_t task, const Output& out) {
-  const int64_t tiles = (w.n + kLanes - 1) / kLanes;
+  const int64_t tiles = tile_count(w);
   if (tiles_alone(w, rows)) return kernels.single(w, xq, rows, task, out);
   (2 * task + 1 < tiles ? kernels.pair : kernels.single)(w, xq, rows, 2 * task, out);
 }
