@@ -17,6 +17,7 @@ _EXPORTS = {
     "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.output_processor",
     "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
     "OutputFormat": ".engine.structured_output", "ChatOutput": ".llm", "PoolingParams": ".engine.pooling",
+    "SpeculativeConfig": ".engine.speculative.config",
 }
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from .engine.output_processor import RequestOutput
     from .engine.pooling import PoolingParams
     from .engine.sampling_params import SamplingParams
+    from .engine.speculative.config import SpeculativeConfig
     from .engine.structured_output import OutputFormat
     from .errors import LocalserveError
     from .llm import LLM, ChatOutput
@@ -37,4 +39,4 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = ["LLM", "Engine", "EngineConfig", "LocalserveError", "OutputFormat", "PoolingParams", "RequestOutput",
-           "SamplingParams", "__version__"]
+           "SamplingParams", "SpeculativeConfig", "__version__"]

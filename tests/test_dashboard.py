@@ -34,7 +34,9 @@ def engine(**overrides: Any) -> dict[str, Any]:
         "num_running": 3, "num_waiting": 1, "num_swapped": 0, "num_preemptions": 0, "num_recomputes": 0,
         "swap_out_blocks": 0, "swap_in_blocks": 0, "prefix_cache_queries": 10, "prefix_cache_hits": 4,
         "prefix_cache_cpu_hits": 0, "num_prompt_tokens_total": 1000, "num_generated_tokens_total": 500,
-        "num_finished_requests": 7, "prompt_tokens_per_s": 120.5, "generation_tokens_per_s": 80.2, **overrides,
+        "num_finished_requests": 7, "spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+        "spec_decode_num_accepted_tokens": 0, "prompt_tokens_per_s": 120.5, "generation_tokens_per_s": 80.2,
+        **overrides,
     }
 
 
@@ -541,6 +543,16 @@ def test_hit_rate_and_where() -> None:
     assert view.where_text({"device": "cuda", "host_weights_bytes": 0, "cpu_kv_cache_bytes": 1 << 30}) == \
         "cuda + 1.00 GiB host"
     assert view.where_text({"device": "cpu"}) == "cpu"
+
+
+def test_kept_drafts_show_once_there_are_any() -> None:
+    model = {"name": "m", "engine": engine()}
+    assert not any(line.startswith("drafts") for line in view.kv_lines(model, 40))
+    model["engine"] = engine(spec_decode_num_draft_tokens=40, spec_decode_num_accepted_tokens=30)
+    assert "drafts kept 75% (30/40)" in view.kv_lines(model, 40)
+    # A daemon of an older version reports no such counters: none shown, nothing breaks.
+    old = {k: v for k, v in engine().items() if not k.startswith("spec_decode")}
+    assert EngineStats.from_dict(old) is not None
 
 
 def test_engine_stats_round_trip_and_another_version_shows_none() -> None:

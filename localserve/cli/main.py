@@ -16,6 +16,7 @@ from click.core import ParameterSource
 
 from .options import config_file_option, default_config_path, env_for_every_option, reread
 from ..engine.config import KV_CACHE_DTYPES, EngineConfig
+from ..engine.speculative.config import MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from ..errors import LocalserveError
 
 if TYPE_CHECKING:
@@ -111,6 +112,14 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
                "of rounding them to int8 for GGUF's types as llama.cpp does, and an auto KV cache in fp32 (slower)."),
         option("--disable-cuda-graphs/--no-disable-cuda-graphs", "On a GPU, run decode steps eagerly instead of "
                "replaying the CUDA graphs captured at load."),
+        click.option("--speculative", "speculative", type=click.Choice(list(METHODS)), default=None,
+                     help="Speculative decoding: ngram drafts the tokens that followed the sequence's last few "
+                          "earlier on (prompt lookup: no draft model); each step verifies every request's drafts. "
+                          "Exact: the output is what decoding without it gives (greedy) or follows (sampling)."),
+        click.option("--num-speculative-tokens", "num_speculative_tokens",
+                     type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
+                     help="Draft tokens a request verifies per step at most (with --speculative; default 4); "
+                          "each request drafts fewer, or none, while its drafts are seldom accepted."),
         click.option("--prepared-cache/--no-prepared-cache", "prepared_cache", default=True, show_default=True,
                      help="On the CPU, keep a GGUF model's weights in the kernels' layout under <home>/prepared "
                           "(about the model's size on disk) and map them at the next load instead of converting "
@@ -128,6 +137,11 @@ def engine_config(options: dict[str, object]) -> EngineConfig:
         from ..registry import default_home
 
         options["prepared_cache"] = str(default_home() / "prepared") if options["prepared_cache"] else None
+    method, draft_tokens = options.pop("speculative", None), options.pop("num_speculative_tokens", None)
+    if method is not None:
+        options["speculative"] = SpeculativeConfig(method=method, num_tokens=4 if draft_tokens is None else draft_tokens)
+    elif draft_tokens is not None:
+        raise click.UsageError("--num-speculative-tokens needs --speculative")
     return EngineConfig(**{name: options.pop(name) for name in names if name in options})  # type: ignore[arg-type]
 
 

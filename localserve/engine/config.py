@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
+from .speculative.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +57,9 @@ class EngineConfig:
     # kept and mapped at the next load instead of converted again (engine/prepared_store.py);
     # None: convert at every load. The daemon and the CLI use <home>/prepared.
     prepared_cache: str | None = None
+    # Speculative decoding (engine/speculative/): the drafter and how many tokens each
+    # request drafts by default (num_tokens 0: none unless a request asks).
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         checks = [

@@ -31,6 +31,7 @@ from .request import Request
 from .runner import ModelRunner, RunnerOutput, warmup_token_counts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledBatch
+from .speculative.speculator import Speculator
 from .stats import EngineStats, LoadProgress
 from .structured_output import StructuredOutputs
 
@@ -128,6 +129,7 @@ class Engine:
             progress.step("warming up")
             self._warm_up()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.speculator = Speculator(self.config.speculative, self.max_model_len, self.device.type)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
@@ -267,6 +269,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, process its outputs: those of the requests that
         produced a token."""
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         self.transfer.run(batch.copies)
         self.kv.end_step()
@@ -275,12 +278,37 @@ class Engine:
         result = self.runner.execute(batch)
         self._record_computed(batch, result)
         now = time.monotonic()
-        outputs = self.outputs.process(result.sampled, result.sampler_output, now) if result.sampled else []
+        outputs = self._sampled_outputs(result, now) if result.sampled else []
         outputs += self.outputs.embedded(result.embeddings, now)
-        self.num_generated_tokens_total += len(result.sampled)
         for request in result.sampled + [request for request, _ in result.embeddings]:
             if request.finish_reason is not None:
                 self._release(request)
+        return outputs
+
+    def _sampled_outputs(self, result: RunnerOutput, now: float) -> list[RequestOutput]:
+        """Each sampling request's new tokens, its drafts' verdict applied: the tokens it
+        keeps join it, and the cache keeps the K/V of those alone."""
+        assert result.sampler_output is not None
+        tokens, logprobs = result.sampler_output.token_ids, result.sampler_output.logprobs
+        kept_tokens, kept_logprobs, row = [], [], 0
+        for request in result.sampled:
+            rows = 1 + len(request.draft_token_ids)
+            kept = self.speculator.accept(request, tokens[row:row + rows])
+            kept_tokens.append(tokens[row:row + kept])
+            kept_logprobs.append(logprobs[row:row + kept])
+            row += rows
+        lengths = [request.num_tokens for request in result.sampled]
+        outputs = self.outputs.process(result.sampled, kept_tokens, kept_logprobs, now)
+        for request, length in zip(result.sampled, lengths):
+            self.num_generated_tokens_total += request.num_tokens - length
+            if request.draft_token_ids:
+                # The step wrote K/V for the drafts too: those of the accepted ones stay (all
+                # tokens but the new last are computed), the rest are overwritten later.
+                request.draft_token_ids = []
+                if request.finish_reason is None:
+                    request.num_computed_tokens = request.num_tokens - 1
+                    self.kv.trim(request)
+                    self.kv.cache_full_blocks(request)
         return outputs
 
     def _record_computed(self, batch: ScheduledBatch, result: RunnerOutput) -> None:
@@ -290,7 +318,8 @@ class Engine:
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prompt_tokens_total += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
-            request.num_computed_tokens += num_new
+            # Draft tokens count once accepted (Engine._sampled_outputs).
+            request.num_computed_tokens += num_new - len(request.draft_token_ids)
             self.kv.cache_full_blocks(request)
 
     def _release(self, request: Request) -> None:
@@ -317,4 +346,7 @@ class Engine:
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generated_tokens_total=self.num_generated_tokens_total,
             num_finished_requests=self.num_finished_requests,
+            spec_decode_num_drafts=self.speculator.stats.num_drafts,
+            spec_decode_num_draft_tokens=self.speculator.stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
         )

@@ -194,6 +194,14 @@ class KVCacheManager:
         request.block_table.extend(self._allocate_device(needed))
         return True
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past those the request's tokens need: where the K/V of draft
+        tokens it did not accept went (never named: they hold no computed token)."""
+        keep = self.blocks_for(request.num_tokens)
+        if len(request.block_table) > keep:
+            self.device.free(request.block_table[keep:][::-1])
+            del request.block_table[keep:]
+
     # -- prefix caching -------------------------------------------------------------------
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:

@@ -14,7 +14,7 @@ import torch
 
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .request import Request
-from .sampler import SamplerOutput, TokenLogprobs
+from .sampler import TokenLogprobs
 from .structured_output import Constraint
 
 
@@ -79,23 +79,27 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
 
-    def process(self, sampled: list[Request], sampler_output: SamplerOutput, now: float) -> list[RequestOutput]:
-        """One output per request that produced a token; sets ``finish_reason`` and
-        ``finish_time`` on those that are done (the engine then releases them)."""
+    def process(self, sampled: list[Request], tokens: list[list[int]], logprobs: list[list[TokenLogprobs | None]],
+                now: float) -> list[RequestOutput]:
+        """One output per request that produced tokens (one, or several where it verified
+        draft tokens), in order; tokens after one that finishes the request are dropped.
+        Sets ``finish_reason`` and ``finish_time`` on those that are done (the engine then
+        releases them)."""
         outputs = []
-        for i, request in enumerate(sampled):
-            token = sampler_output.token_ids[i]
-            request.token_ids.append(token)
-            constraint = request.active_constraint  # the one this token was sampled under
-            _track_thinking(request, token)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if sampler_output.logprobs[i] is not None:
-                request.logprobs.append(sampler_output.logprobs[i])
+        for request, new_tokens, new_logprobs in zip(sampled, tokens, logprobs):
             text = self._texts[request.request_id]
-            request.finish_reason = self._finish_reason(request, text, token, constraint)
-            if request.finish_reason is not None:
-                request.finish_time = now
+            for token, token_logprobs in zip(new_tokens, new_logprobs):
+                request.token_ids.append(token)
+                constraint = request.active_constraint  # the one this token was sampled under
+                _track_thinking(request, token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                if token_logprobs is not None:
+                    request.logprobs.append(token_logprobs)
+                request.finish_reason = self._finish_reason(request, text, token, constraint)
+                if request.finish_reason is not None:
+                    request.finish_time = now
+                    break
             outputs.append(self._output(request, text))
         return outputs
 

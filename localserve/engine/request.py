@@ -11,6 +11,7 @@ import torch
 from .pooling import PoolingParams
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
+from .speculative.state import RequestSpeculation
 from .structured_output import Constraint
 
 
@@ -53,6 +54,10 @@ class Request:
     pooling: PoolingParams | None = None
     pooling_method: str | None = None
     pooled: torch.Tensor | None = None
+    # Speculative decoding (engine/speculative/): the tokens proposed to follow token_ids,
+    # verified in the next step, and what the speculator keeps about the request.
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: RequestSpeculation | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -22,11 +22,11 @@ class ModelInputs:
     input_ids: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     meta: AttentionMetadata
-    # Rows whose logits are computed: first each finishing request's last token (sampled),
-    # then the prompt positions owed a prompt logprob; None: every row, in order (a decode
-    # step where all sample: no index to copy through).
+    # Rows whose logits are computed: first each finishing request's last token (sampled;
+    # with draft tokens, that row and theirs), then the prompt positions owed a prompt
+    # logprob; None: every row, in order (a decode step where all sample: no index to copy through).
     logits_rows: torch.Tensor | None
-    to_sample: list[Request]  # the requests the sampled rows belong to, in order
+    to_sample: list[Request]  # the requests the sampled rows belong to, in order (1 + drafts rows each)
     prompt_requests: list[Request]  # the request of each prompt-logprob row
     prompt_targets: list[int]  # the prompt token each prompt-logprob row predicts
     # Embedding requests' chunks: (request, first row, rows, position of the first row).
@@ -36,7 +36,7 @@ class ModelInputs:
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: list[Request]  # the requests that produced a token (their prompt is now fully computed)
-    sampler_output: SamplerOutput | None  # for them, in order
+    sampler_output: SamplerOutput | None  # for them, in order: 1 + len(draft_token_ids) rows each
     prompt_logprobs: list[tuple[Request, TokenLogprobs]]  # new entries, in position order per request
     embeddings: list[tuple[Request, torch.Tensor]]  # embedding requests whose prompt is done, with their vector
 
@@ -56,7 +56,9 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     for request, num_new in zip(batch.requests, batch.num_new_tokens):
         start = request.num_computed_tokens
         end = start + num_new
+        drafts = request.draft_token_ids  # (a decode's: start is its last token)
         input_ids.extend(request.token_ids[start:end])
+        input_ids.extend(drafts[:end - request.num_tokens])
         positions.extend(range(start, end))
         table = request.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -70,8 +72,8 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         seq_lens.append(end)
         if request.pooling is not None:  # an embedding: its hidden states are pooled, nothing sampled
             pooled_chunks.append((request, query_start[-2], num_new, start))
-        elif end == request.num_tokens:  # the chunk reaches the last token: sample
-            sample_rows.append(query_start[-1] - 1)
+        elif end == request.num_tokens + len(drafts):  # the chunk reaches the last token: sample (and verify)
+            sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
             to_sample.append(request)
 
     max_blocks = max(len(r.block_table) for r in batch.requests)
@@ -176,8 +178,12 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch) -> RunnerOutput:
         bucket = self.graphs.padded_size(batch.num_new_tokens) if self.graphs else None
         inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=bucket)
+        # A request verifying draft tokens samples each of its 1 + k positions as a plain
+        # decode of that position would: its rows come one after another.
+        row_requests = [(r, j) for r in inputs.to_sample for j in range(1 + len(r.draft_token_ids))]
         # Structured outputs' masks are worked out on another thread while the model runs.
-        masks = self.structured.masks([r.active_constraint for r in inputs.to_sample]) if self.structured else None
+        # (Requests held to a grammar draft nothing: see Speculator._most_drafts.)
+        masks = self.structured.masks([r.active_constraint for r, _ in row_requests]) if self.structured else None
         if bucket is not None:
             hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:
@@ -186,7 +192,7 @@ class ModelRunner:
         if not inputs.to_sample and not inputs.prompt_requests:
             return RunnerOutput([], None, [], embeddings)
         logits = self.model.compute_logits(hidden if inputs.logits_rows is None else hidden[inputs.logits_rows])
-        num_sampled = len(inputs.to_sample)
+        num_sampled = len(row_requests)
         prompt_logprobs: list[tuple[Request, TokenLogprobs]] = []
         if inputs.prompt_requests:
             found = token_logprobs(logits[num_sampled:], inputs.prompt_targets,
@@ -198,14 +204,14 @@ class ModelRunner:
                 SamplingRow(
                     params=r.params,
                     prompt_token_ids=r.prompt_token_ids,
-                    output_token_ids=r.output_token_ids,
+                    output_token_ids=r.output_token_ids + r.draft_token_ids[:j],  # drafts before this position
                     generator=r.generator,
                     eos_token_ids=r.eos_token_ids,
                 )
-                for r in inputs.to_sample
+                for r, j in row_requests
             ]
             grammar_masks = masks.result() if masks else None
-            forced = {i: r.forced_token_ids[0] for i, r in enumerate(inputs.to_sample) if r.forced_token_ids}
+            forced = {i: r.forced_token_ids[0] for i, (r, j) in enumerate(row_requests) if r.forced_token_ids}
             if forced:
                 grammar_masks = with_forced_tokens(grammar_masks, forced, logits.shape[1])
             sampler_output = self.sampler(logits[:num_sampled], rows, grammar_masks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import LocalserveError
+from .speculative.config import MAX_DRAFT_TOKENS
 from .structured_output import OutputFormat
 
 
@@ -36,6 +37,9 @@ class SamplingParams:
     # budget, once this many tokens are out with the block still open, they are forced.
     thinking_end: tuple[int, ...] = ()
     thinking_budget: int | None = None
+    # Speculative decoding: the most draft tokens this request verifies a step (0: none);
+    # None follows the engine's setting (EngineConfig.speculative).
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +62,8 @@ class SamplingParams:
             (all(type(t) is int and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids (ints >= 0)"),
             (all(isinstance(b, int | float) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
+            (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS,
+             f"num_speculative_tokens must be in [0, {MAX_DRAFT_TOKENS}]"),
             (self.thinking_budget is None or (self.thinking_budget >= 0 and len(self.thinking_end) > 0),
              "thinking_budget must be >= 0 and come with the tokens that end the thinking"),
         ]

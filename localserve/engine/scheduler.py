@@ -1,7 +1,8 @@
 """Iteration-level (continuous) batching under a per-step token budget.
 
 Every step the running requests go first, oldest first: a decode costs one token of
-budget, a partly prefilled prompt takes the next chunk that fits. Then requests swapped
+budget (and one more per draft token it verifies, see engine/speculative/; drafts that do
+not fit are dropped), a partly prefilled prompt takes the next chunk that fits. Then requests swapped
 out to the CPU tier come back, oldest first, and only when none is left do waiting
 requests join, first come first served, each starting after its cached prefix, while
 budget, sequence slots and free blocks last; a long prompt joins with whatever chunk
@@ -70,13 +71,20 @@ class Scheduler:
         return batch
 
     def _remaining(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        """The request's tokens to compute next, its draft tokens after them (those that
+        do not fit the budget are dropped), within the budget."""
+        num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids), budget)
+        del request.draft_token_ids[max(0, num_new - (request.num_tokens - request.num_computed_tokens)):]
+        return num_new
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._remaining(request, budget)
+            if request.draft_token_ids and not self.kv.try_allocate(request, num_new):
+                request.draft_token_ids = []  # no room to verify drafts: decode plainly
+                num_new = self._remaining(request, budget)
             while not self.kv.try_allocate(request, num_new):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
@@ -86,6 +94,8 @@ class Scheduler:
             batch.add(request, num_new)
             budget -= num_new
             index += 1
+        for request in self.running[index:]:
+            request.draft_token_ids = []  # not in this step
         return budget
 
     def _swap_in(self, batch: ScheduledBatch, budget: int) -> int:
@@ -121,6 +131,7 @@ class Scheduler:
         queue it to be recomputed first."""
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.draft_token_ids = []
         if self.kv.can_swap_out(request):
             self.kv.swap_out(request)
             request.status = RequestStatus.SWAPPED

@@ -37,6 +37,12 @@ class EngineStats:
     num_prompt_tokens_total: int
     num_generated_tokens_total: int
     num_finished_requests: int
+    # Speculative decoding (vLLM's spec_decode counters): verifications of one or more draft
+    # tokens, the draft tokens verified, and of those the accepted (a daemon of an older
+    # version reports none: 0).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     # Tokens per second over the last seconds: the AsyncEngine's (None from a bare Engine).
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None

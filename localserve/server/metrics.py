@@ -41,6 +41,10 @@ _COUNTERS = [
     ("swap_in_blocks", "kv_blocks_swapped_in", "KV cache blocks copied from the CPU tier back to the device"),
     ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Speculative decoding: verifications of draft tokens"),
+    ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified"),
+    ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Speculative decoding: draft tokens accepted (each a token gained over plain decoding)"),
 ]
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..engine.speculative.config import MAX_DRAFT_TOKENS
 from ..engine.structured_output import OutputFormat
 from ..errors import LocalserveError
 from ..chat.tool_calls import forced_format
@@ -117,6 +118,9 @@ class SamplingFields(_Strict):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # localserve's own: speculative decoding's draft tokens a step for this request (0: none;
+    # absent: the server's --num-speculative-tokens)
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
     keep_alive: KeepAlive = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None

@@ -280,7 +280,8 @@ def busiest_model(stats: Stats | None) -> str | None:
 
 def kv_lines(model: Mapping[str, Any] | None, width: int) -> list[str]:
     """The KV cache of one model, in lines of ``width``: device and CPU-tier gauges
-    (blocks used/total), prefix-cache hits, dtype."""
+    (blocks used/total), prefix-cache hits, speculative decoding's kept drafts (once there
+    are any), dtype."""
     if model is None:
         return ["no model loaded"]
     engine = engine_of(model)
@@ -297,9 +298,19 @@ def kv_lines(model: Mapping[str, Any] | None, width: int) -> list[str]:
     else:
         lines.append(f"{'cpu':<7}no CPU tier")
     lines.append(f"prefix hits {hit_rate_text(engine)}")
+    if engine.spec_decode_num_draft_tokens > 0:
+        lines.append(f"drafts kept {draft_rate_text(engine)}")
     lines.append(f"{engine.kv_blocks_cached} cached · {engine.kv_block_size} tok/block")
     lines.append(f"dtype {engine.kv_cache_dtype or MISSING}")
     return lines
+
+
+def draft_rate_text(engine: EngineStats) -> str:
+    """Speculative decoding's acceptance: draft tokens kept of those verified."""
+    drafted, kept = engine.spec_decode_num_draft_tokens, engine.spec_decode_num_accepted_tokens
+    if drafted <= 0:
+        return MISSING
+    return f"{100 * kept / drafted:.0f}% ({kept}/{drafted})"
 
 
 def hit_rate_text(engine: EngineStats) -> str:

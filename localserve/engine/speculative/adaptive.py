@@ -1,0 +1,59 @@
+"""How many tokens a request drafts in a step: as many as pay, from its recent acceptance.
+
+A verified draft token costs a step one more row of the model (weights already streamed
+for the first row: a fraction of a step where decode is bound by memory), and yields a token
+only while every draft token before it was accepted. With each draft token accepted with
+probability a, k draft tokens yield E(k) = (1 - a^(k+1)) / (1 - a) tokens. A step of R rows
+costs 1 + c (R - 1) plain one-row steps; with B requests decoding, a request's k drafts turn
+a step of B tokens for 1 + c (B - 1) into one of B - 1 + E(k) tokens for 1 + c (B - 1 + k).
+The request drafts the k that makes the most tokens per cost, and none when no k beats a
+plain step: a drafter that keeps missing costs nothing, and where the batch is already big
+enough that rows cost what they yield, drafting stops unless nearly every draft is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# c above: a verified row's share of a plain decode step, by device. On the CPU the int8
+# kernels stream weights only 2-3x slower than they compute on them, so a row costs: a step
+# of Llama-3.2-1B's shape (Q4_K_M, Zen 4) with 1 + k rows took 1.54, 1.80 and 2.41 plain
+# steps at k = 2, 4 and 8 (benchmarks/speculative.py). A GPU's decode step leaves its compute
+# nearly idle, so rows cost little there.
+DRAFT_ROW_COST = {"cpu": 0.2, "cuda": 0.05}
+# Weight of each new outcome in the acceptance rate (an exponential moving average).
+SMOOTHING = 0.2
+# The rate a request starts from: a new request drafts a token or two, and stops within a
+# few steps when its drafts miss.
+PRIOR_RATE = 0.5
+
+
+def expected_tokens(rate: float, draft_tokens: int) -> float:
+    """Tokens one step yields with ``draft_tokens`` drafts, each accepted with probability
+    ``rate`` given those before it were: the accepted ones and the one sampled after."""
+    if rate >= 1.0:
+        return draft_tokens + 1.0
+    return (1.0 - rate ** (draft_tokens + 1)) / (1.0 - rate)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    rate: float = PRIOR_RATE
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A verification of ``proposed`` draft tokens that accepted the first ``accepted``:
+        one outcome per token up to and including the first rejected one."""
+        for outcome in [1.0] * accepted + ([0.0] if accepted < proposed else []):
+            self.rate += SMOOTHING * (outcome - self.rate)
+
+    def draft_length(self, most: int, row_cost: float, decoding: int = 1) -> int:
+        """The number of draft tokens, up to ``most``, that makes a step of ``decoding``
+        requests yield most tokens per cost, a row costing ``row_cost`` of a one-row step."""
+        others = max(decoding, 1) - 1
+        plain_cost = 1.0 + row_cost * others
+        best, best_yield = 0, (others + 1.0) / plain_cost
+        for k in range(1, most + 1):
+            gain = (others + expected_tokens(self.rate, k)) / (plain_cost + row_cost * k)
+            if gain > best_yield * (1 + 1e-9):
+                best, best_yield = k, gain
+        return best

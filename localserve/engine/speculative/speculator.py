@@ -1,0 +1,112 @@
+"""The engine's one entry into speculative decoding.
+
+Before a step is scheduled, ``propose`` gives each running request that is decoding its
+draft tokens (``Request.draft_token_ids``); the scheduler gives it 1 + k query tokens,
+and the runner samples each of the k + 1 positions as a plain decode of that position
+would (the same sampling options, with the drafts before it as output history). After the
+step, ``accept`` keeps the drafts up to the first one the sampled token differs from,
+and the sampled token after them.
+
+That is exact for any drafter that proposes deterministically (prompt lookup does): at
+greedy the accepted tokens are those plain decoding produces; when sampling, a draft token
+d is kept with probability p(d) (the sampled token equals it) and otherwise the sampled
+token follows p without d, renormalized: the speculative sampling rule for a draft
+distribution that is all on d, so the output follows the target's distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING, Protocol
+
+from .adaptive import DRAFT_ROW_COST
+from .config import SpeculativeConfig
+from .ngram import NgramDrafter
+from .state import RequestSpeculation
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..request import Request
+
+
+class Drafter(Protocol):
+    def propose(self, request: Request, tokens: np.ndarray, count: int) -> list[int]:
+        """Up to ``count`` tokens to follow ``tokens`` (the request's token ids so far);
+        the same tokens every time it is asked the same."""
+        ...
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    num_drafts: int = 0  # verifications of one or more draft tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu") -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.row_cost = DRAFT_ROW_COST.get(device_type, DRAFT_ROW_COST["cuda"])
+        self.stats = SpeculationStats()
+        # The config's method (a test or benchmark may put a drafter of its own here).
+        self.drafter: Drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set each running request's draft tokens for the next step ([] for most)."""
+        decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
+        for request in running:
+            request.draft_token_ids = self._drafts(request, decoding)
+
+    def accept(self, request: Request, sampled: list[int]) -> int:
+        """How many of ``sampled`` (one token per verified position: 1 + its drafts) the
+        request keeps: the drafts up to the first the sampled token differs from, and the
+        sampled token after them."""
+        drafts = request.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        if drafts:
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(drafts)
+            self.stats.num_accepted_tokens += accepted
+            assert request.speculation is not None
+            request.speculation.acceptance.observe(len(drafts), accepted)
+        return accepted + 1
+
+    def _drafts(self, request: Request, decoding: int) -> list[int]:
+        most = self._most_drafts(request)
+        if most == 0:
+            return []
+        state = request.speculation
+        if state is None:
+            state = request.speculation = RequestSpeculation()
+        tokens = state.history.sync(request.token_ids)
+        if state.shadow is not None:
+            position, token = state.shadow
+            state.acceptance.observe(1, int(tokens[position] == token))
+            state.shadow = None
+        count = state.acceptance.draft_length(most, self.row_cost, decoding) if self.config.adaptive else most
+        proposal = self.drafter.propose(request, tokens, max(count, 1))
+        if count == 0:
+            if proposal:
+                state.shadow = (len(tokens), proposal[0])
+            return []
+        return proposal[:count]
+
+    def _most_drafts(self, request: Request) -> int:
+        """The most draft tokens the request may verify next step: its setting (or the
+        engine's), within its max_tokens and the context; 0 when it is not decoding (a
+        prompt still being prefilled, an embedding) or held by what drafts cannot follow
+        yet: a structured output's grammar, a thinking budget, tokens to force."""
+        params = request.params
+        wanted = self.config.num_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if (wanted == 0 or request.pooling is not None or params.output_format is not None
+                or params.thinking_budget is not None or request.forced_token_ids
+                or request.num_computed_tokens != request.num_tokens - 1):
+            return 0
+        # The step samples 1 + k tokens: no more than max_tokens and the context allow.
+        return max(0, min(wanted, params.max_tokens - request.num_output_tokens - 1,
+                          self.max_model_len - request.num_tokens))

@@ -1,0 +1,341 @@
+"""Speculative decoding (engine/speculative/): prompt lookup's proposals, the adaptive
+draft length, and the engine's verification in the batch, checked against the engine
+without speculation: at greedy the same tokens and logprobs, bit for bit, for every model
+family and format of the suite, alone and in mixed batches; when sampling, the target's
+own distribution (a chi-square test against probabilities computed from its logits); and
+every KV block back in the pool after requests are cancelled mid-draft."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from localserve import LLM, LocalserveError, SamplingParams
+from localserve.engine.speculative import SpeculativeConfig
+from localserve.engine.speculative.adaptive import Acceptance, expected_tokens
+from localserve.engine.speculative.ngram import TokenHistory, propose
+
+from .conftest import DATA, MODEL_KINDS, random_prompt
+
+STORIES_GGUF = DATA / "models" / "stories260K.gguf"
+# Drafting every step (not only when it pays), so every test verifies drafts.
+ALWAYS = SpeculativeConfig(num_tokens=4, adaptive=False)
+
+
+# -- prompt lookup ----------------------------------------------------------------------
+
+
+def test_proposes_what_followed_the_latest_occurrence_of_the_longest_ngram() -> None:
+    tokens = np.array([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 0, 5, 6, 7])
+    # "5 6 7" occurred at 0 (followed by 8 9 1 6); "6 7" more recently at 6 (3 4 0 5):
+    # the longest n-gram wins over the more recent shorter one.
+    assert propose(tokens, 4, 2, 4) == [8, 9, 1, 6]
+    assert propose(tokens, 2, 2, 2) == [3, 4]
+    # The latest of several occurrences of the same n-gram.
+    assert propose(np.array([1, 2, 3, 1, 2, 4, 1, 2]), 3, 2, 2) == [4, 1, 2]
+
+
+def test_proposes_nothing_without_a_match_and_stops_at_the_sequence_end() -> None:
+    assert propose(np.array([1, 2, 3, 4, 5]), 4, 2, 4) == []
+    assert propose(np.array([3]), 4, 1, 4) == []
+    # The match's continuation runs into the end: the repeating part goes on.
+    assert propose(np.array([7, 7, 7]), 5, 2, 4) == [7, 7, 7, 7, 7]
+    assert propose(np.array([4, 1, 2, 3, 1, 2, 3, 1, 2]), 5, 2, 4) == [3, 1, 2, 3, 1]
+    assert propose(np.array([1, 2, 9, 1, 2]), 0, 2, 4) == []
+
+
+def test_token_history_grows_with_the_request() -> None:
+    history = TokenHistory()
+    tokens = list(range(10))
+    assert history.sync(tokens).tolist() == tokens
+    tokens += list(range(10, 700))  # past the first buffer
+    assert history.sync(tokens).tolist() == tokens
+
+
+def test_the_draft_length_follows_the_acceptance() -> None:
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert math.isclose(expected_tokens(0.5, 2), 1.75)
+    bad, good = Acceptance(), Acceptance()
+    for _ in range(20):
+        bad.observe(4, 0)  # every first draft token rejected
+        good.observe(4, 4)
+    assert bad.draft_length(8, 0.2) == 0  # drafting does not pay: none
+    assert good.draft_length(8, 0.2) == 8
+    middling = Acceptance(rate=0.5)
+    assert 0 < middling.draft_length(8, 0.2) < middling.draft_length(8, 0.05) < 8  # cheaper rows: more
+    # In a batch of 16 decoding requests rows cost what they yield: drafting only pays when
+    # nearly every draft is kept.
+    assert Acceptance(rate=0.8).draft_length(8, 0.2, decoding=16) == 0
+    assert good.draft_length(8, 0.2, decoding=16) > 0
+    # One outcome per token up to the first rejection: 2 accepted, then 1 rejected.
+    counted = Acceptance(rate=0.5)
+    counted.observe(4, 2)
+    assert math.isclose(counted.rate, 0.544)  # 0.5 -> 0.6 -> 0.68 -> 0.544, weight 0.2 each
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(LocalserveError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=99)
+    with pytest.raises(LocalserveError, match="method"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(LocalserveError, match="n-gram"):
+        SpeculativeConfig(ngram_min=3, ngram_max=2)
+
+
+# -- exactness in the engine ------------------------------------------------------------
+
+
+def fingerprint(output) -> tuple:  # type: ignore[no-untyped-def]
+    return (output.token_ids, [(t.token_id, t.logprob, t.top) for t in output.logprobs], output.finish_reason)
+
+
+# Not batch-invariant on the CPU even without drafts: GPT-OSS's experts (biased, clamped
+# SwiGLU) run as torch ops whose sums follow the batch's shape, so its logprobs move in the
+# seventh digit with the batch; its tokens are compared exactly, its logprobs within 1e-5.
+NOT_BATCH_INVARIANT = {"gpt_oss"}
+
+
+def assert_same(ours, expected, exact: bool = True) -> None:  # type: ignore[no-untyped-def]
+    if exact:
+        assert [fingerprint(o) for o in ours] == [fingerprint(o) for o in expected]
+        return
+    for a, b in zip(ours, expected):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert [t.logprob for t in a.logprobs] == pytest.approx([t.logprob for t in b.logprobs], abs=1e-5)
+
+
+def greedy(max_tokens: int = 24, **options) -> SamplingParams:  # type: ignore[no-untyped-def]
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True, **options)
+
+
+class ScriptedDrafter:
+    """Proposes each request's known continuation (from a run without drafts) with every
+    fifth token of it wrong: each step's drafts are kept up to a wrong one, so both verdicts
+    occur whatever the model (a random tiny model seldom repeats itself for prompt lookup)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.continuations, self.vocab = continuations, vocab
+
+    def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+        known = self.continuations[tuple(request.prompt_token_ids)]
+        start = len(tokens) - len(request.prompt_token_ids)
+        return [(t + 1) % self.vocab if (start + i) % 5 == 3 else t
+                for i, t in enumerate(known[start:start + count])]
+
+
+def check_same_as_plain(path, vocab: int, exact: bool = True) -> LLM:  # type: ignore[no-untyped-def]
+    """Greedy with drafts verified every step gives what greedy without them gives, token
+    for token and logprob for logprob: alone, and in a batch of requests that draft and
+    requests that do not, some still prefilling (small steps, so drafts are cut to fit too)."""
+    options = dict(device="cpu", num_kv_blocks=256, max_num_batched_tokens=24, enable_prefix_caching=False)
+    plain, speculating = LLM(path, **options), LLM(path, speculative=ALWAYS, **options)
+    prompts = [[t % vocab for t in random_prompt(n, seed=n)] for n in (9, 20, 5, 28, 12)]
+    params = [greedy(24), greedy(17, num_speculative_tokens=0), greedy(9, num_speculative_tokens=2), greedy(24),
+              greedy(12, num_speculative_tokens=8)]
+    batch_plain = plain.generate(prompts, params)
+    speculating.engine.speculator.drafter = ScriptedDrafter(
+        {tuple(p): o.token_ids for p, o in zip(prompts, batch_plain)}, vocab)
+    assert_same(speculating.generate(prompts[0], params[0]), batch_plain[:1], exact)
+    assert_same(speculating.generate(prompts, params), batch_plain, exact)
+    stats = speculating.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert speculating.engine.stats().kv_blocks_used == 0
+    return speculating
+
+
+def test_greedy_is_unchanged_with_prompt_lookup_on_a_trained_model() -> None:
+    """The real drafter on a model that repeats its prompt: mixed verdicts, same tokens."""
+    options = dict(device="cpu", num_kv_blocks=256, max_num_batched_tokens=24)
+    plain, speculating = LLM(STORIES_GGUF, **options), LLM(STORIES_GGUF, speculative=ALWAYS, **options)
+    prompts = ["Once upon a time, there was a little girl named Lily. She loved to play outside. Once upon a time",
+               "Tom had a red ball. Tom liked the red ball. One day, Tom", "The cat sat on the mat."]
+    params = [greedy(60), greedy(40, num_speculative_tokens=6), greedy(30)]
+    expected = [fingerprint(o) for o in plain.generate(prompts, params)]
+    assert [fingerprint(o) for o in speculating.generate(prompts, params)] == expected
+    stats = speculating.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert speculating.engine.stats().kv_blocks_used == 0
+
+
+def test_greedy_is_unchanged_on_a_trained_gguf() -> None:
+    check_same_as_plain(STORIES_GGUF, vocab=512)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_greedy_is_unchanged_for_every_family(tiny_models, kind: str) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_models.get(kind)
+    check_same_as_plain(path, vocab=json.loads((path / "config.json").read_text())["vocab_size"],
+                        exact=kind not in NOT_BATCH_INVARIANT)
+
+
+@pytest.mark.parametrize("name", ["tiny-gptq-4bit-g32-actorder", "tiny-awq-4bit-g64"])
+def test_greedy_is_unchanged_for_gptq_and_awq(name: str) -> None:
+    path = DATA / "models" / name
+    check_same_as_plain(path, vocab=json.loads((path / "config.json").read_text())["vocab_size"])
+
+
+def test_greedy_is_unchanged_for_quantized_gguf(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    gguf = pytest.importorskip("gguf")
+    from .gguf_writers import tiny_llama, write_gguf
+
+    path = tmp_path / "tiny-q4_0.gguf"
+    write_gguf(path, tiny_llama(), gguf.GGMLQuantizationType.Q4_0)
+    check_same_as_plain(path, vocab=512)
+
+
+def test_stops_inside_the_accepted_drafts() -> None:
+    """A stop string, a stop token or max_tokens met within one step's accepted tokens ends
+    the request there, as without drafts."""
+    plain = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64)
+    speculating = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64, speculative=ALWAYS)
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside. Once upon a time"
+    [reference] = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40))
+    second_word = reference.token_ids[5]
+    for params in (SamplingParams(temperature=0, max_tokens=40, stop=["Lily"]),
+                   SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[second_word]),
+                   SamplingParams(temperature=0, max_tokens=7),
+                   SamplingParams(temperature=0, max_tokens=40, min_tokens=9, stop_token_ids=[second_word])):
+        [expected] = plain.generate(prompt, params)
+        [ours] = speculating.generate(prompt, params)
+        assert (ours.token_ids, ours.text, ours.finish_reason) == \
+            (expected.token_ids, expected.text, expected.finish_reason)
+    assert speculating.engine.speculator.stats.num_accepted_tokens > 0
+    assert speculating.engine.stats().kv_blocks_used == 0
+
+
+def test_penalties_and_bias_see_the_drafts_before_each_position() -> None:
+    plain = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64)
+    speculating = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=64, speculative=ALWAYS)
+    prompt = "Once upon a time, there was a little girl named Lily. Once upon a time, there was"
+    for params in (greedy(30, repetition_penalty=1.3), greedy(30, frequency_penalty=0.8, presence_penalty=0.5),
+                   greedy(30, logit_bias={383: -5.0})):
+        [expected] = plain.generate(prompt, params)
+        [ours] = speculating.generate(prompt, params)
+        assert fingerprint(ours) == fingerprint(expected)
+
+
+# -- sampling: the target's distribution --------------------------------------------------
+
+
+def test_sampled_tokens_follow_the_target_distribution() -> None:
+    """Tokens sampled at temperature 1 within the top 3, with prompt lookup drafting the
+    second and third (the prompt repeats the phrase they continue): the frequencies of the
+    pairs (second, third) after the likeliest first token, against the probabilities the
+    model gives them (the second's, times the third's given the second), a chi-square test.
+    Keeping a draft token more or less often than the model samples it moves them off."""
+    llm = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=1024, max_num_seqs=64, speculative=ALWAYS)
+    prompt = llm.engine.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play. "
+                                         "Once upon a time, there was a")
+
+    def top3(ids: list[int]) -> dict[int, float]:
+        """The model's distribution for the next token, within its 3 likeliest."""
+        [out] = llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, logprobs=3, num_speculative_tokens=0))
+        top = dict(out.logprobs[0].top)
+        total = sum(math.exp(v) for v in top.values())
+        return {t: math.exp(v) / total for t, v in top.items()}
+
+    first = max(top3(prompt).items(), key=lambda item: item[1])[0]
+    expected = {(a, b): pa * pb for a, pa in top3(prompt + [first]).items()
+                for b, pb in top3(prompt + [first, a]).items()}
+    samples = 3000
+    outputs = llm.generate([prompt] * samples, [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=i,
+                                                               ignore_eos=True) for i in range(samples)])
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    pairs = [(o.token_ids[1], o.token_ids[2]) for o in outputs if o.token_ids[0] == first]
+    assert len(pairs) > samples // 3
+    counts = {pair: pairs.count(pair) for pair in set(pairs)}
+    assert set(counts) <= set(expected), "a pair outside the top 3"
+    chi2 = sum((counts.get(pair, 0) - p * len(pairs)) ** 2 / (p * len(pairs)) for pair, p in expected.items())
+    # 8 degrees of freedom: 26.1 is the 0.1% point. The seeds fix the draws: no flakiness.
+    assert chi2 < 26.1, f"chi-square {chi2:.1f}: {counts} against {expected}"
+
+
+# -- the KV cache -------------------------------------------------------------------------
+
+
+class RepeatDrafter:
+    """Proposes the last token again, as many times as allowed: drafts every step."""
+
+    def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+        return [int(tokens[-1])] * count
+
+
+def test_cancelled_requests_return_every_block() -> None:
+    llm = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=128, speculative=ALWAYS)
+    engine = llm.engine
+    engine.speculator.drafter = RepeatDrafter()
+    prompt = "Once upon a time, there was a little girl named Lily. Once upon a time, there was a"
+    ids = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+           for _ in range(4)]
+    while engine.speculator.stats.num_drafts < 6:
+        engine.step()
+    # Mid-draft: the next step's drafts proposed, then the requests cancelled.
+    engine.speculator.propose(engine.scheduler.running)
+    assert any(r.draft_token_ids for r in engine.scheduler.running)
+    for request_id in ids:
+        engine.abort(request_id)
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_rejected_drafts_give_their_blocks_back() -> None:
+    """After each step a request holds the blocks of its tokens and no more: the blocks
+    that only rejected draft tokens reached are freed at once."""
+    llm = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=128, block_size=4,
+              speculative=SpeculativeConfig(num_tokens=8, adaptive=False))
+    engine = llm.engine
+    engine.speculator.drafter = RepeatDrafter()
+    engine.add_request("Once upon a time, there was a little girl named Lily. Once upon a time, there was a",
+                       SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            # Room for the computed tokens, and for the last at most (the next step's).
+            assert len(request.block_table) <= engine.kv.blocks_for(request.num_tokens)
+            assert request.num_computed_tokens == request.num_tokens - 1
+    stats = engine.speculator.stats
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine.stats().kv_blocks_used == 0
+
+
+# -- the HTTP API -------------------------------------------------------------------------
+
+
+def test_a_request_asks_for_drafts_through_the_openai_sdk(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``num_speculative_tokens`` in the body (the server's default here: none): the same
+    greedy text either way, the drafts counted in /metrics, a bad value a 400."""
+    import httpx
+    import openai
+
+    from .server_util import stories_client
+
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play. Once upon a time, there"
+    with stories_client(tmp_path) as client:
+        texts = [client.completions.create(model="stories", prompt=prompt, max_tokens=40, temperature=0,
+                                           extra_body={"num_speculative_tokens": k}).choices[0].text for k in (0, 4)]
+        assert texts[0] == texts[1] and texts[0]
+        metrics = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics", timeout=30).text
+        accepted = [line for line in metrics.splitlines()
+                    if line.startswith("localserve_spec_decode_num_accepted_tokens_total{")]
+        assert accepted and float(accepted[0].split()[-1]) > 0
+        with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
+            client.completions.create(model="stories", prompt=prompt, max_tokens=4,
+                                      extra_body={"num_speculative_tokens": 17})
+
+
+def test_the_cli_options_make_the_engine_option() -> None:
+    import click
+
+    from localserve.cli.main import engine_config
+
+    assert engine_config({"speculative": "ngram", "num_speculative_tokens": 6}).speculative == \
+        SpeculativeConfig(num_tokens=6)
+    assert engine_config({"speculative": "ngram", "num_speculative_tokens": None}).speculative.num_tokens == 4
+    assert engine_config({"speculative": None, "num_speculative_tokens": None}).speculative.num_tokens == 0
+    with pytest.raises(click.UsageError, match="--speculative"):
+        engine_config({"speculative": None, "num_speculative_tokens": 3})
