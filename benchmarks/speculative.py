@@ -1,0 +1,190 @@
+"""Speculative decoding: what verifying draft tokens in the batch costs and gains.
+
+    python benchmarks/speculative.py                       # Llama-3.2-1B shape, Q4_K_M (real_shapes.py's file)
+    python benchmarks/speculative.py --type Q8_0 --repeats 3
+    python benchmarks/speculative.py --parts mechanics --clients 1     # or: --parts lookup
+
+In-process (the engine as the daemon runs it, without HTTP), greedy, 2 threads.
+
+mechanics: a drafter made for the benchmark proposes each request's own greedy continuation,
+recorded by a first run without drafts, with each draft token replaced by a wrong one with
+probability 1 - a: acceptance a by construction (0, 0.5, 0.8, 1.0), k = 2, 4, 8 draft tokens a
+step, every step (adaptive off); then a = 0 with the adaptive draft length, which should cost
+almost nothing. One client (requests one after another: TPOT) and 16 (all at once: output
+tokens/s), each against the same requests without drafts, runs interleaved.
+
+lookup: prompt lookup (the ngram drafter, adaptive) where the answer copies its prompt: the
+prompt holds a text and the answer's start, and the model's greedy continuation of that text,
+recorded first, is the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import real_shapes  # noqa: E402
+from host_facts import cpu_summary  # noqa: E402
+
+PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
+
+
+class CorruptedDrafter:
+    """Each request's recorded continuation, each token of it wrong with probability
+    1 - ``acceptance`` (decided by a hash of the request and position: a position is
+    proposed the same way every time)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], acceptance: float, vocab: int) -> None:
+        self.continuations, self.acceptance, self.vocab = continuations, acceptance, vocab
+
+    def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+        prompt = tuple(request.prompt_token_ids)
+        known = self.continuations[prompt]
+        start = len(tokens) - len(prompt)
+        drafts = []
+        for position in range(start, min(start + count, len(known))):
+            draw = zlib.crc32(repr((prompt[:8], position)).encode()) / 2**32
+            drafts.append(known[position] if draw < self.acceptance else (known[position] + 1) % self.vocab)
+        return drafts
+
+
+@dataclasses.dataclass
+class Figures:
+    tpot_ms: float  # median over the requests
+    tokens_per_s: float  # output tokens over the wall time (prompts' prefill included)
+    decode_tokens_per_s: float  # tokens after each request's first over the time from the first to the last
+    acceptance: float  # draft tokens accepted / verified (nan without drafts)
+
+
+def run(llm, prompts: list[list[int]], clients: int, draft_tokens: int) -> Figures:  # type: ignore[no-untyped-def]
+    from localserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True,
+                            num_speculative_tokens=draft_tokens)
+    before = llm.stats()
+    start = time.perf_counter()
+    outputs, decode_seconds = [], 0.0
+    for first in range(0, len(prompts), clients):
+        batch = llm.generate(prompts[first:first + clients], params)
+        decode_seconds += max(o.finish_time for o in batch) - min(o.first_token_time for o in batch)
+        outputs += batch
+    elapsed = time.perf_counter() - start
+    after = llm.stats()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    kept = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    tpots = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) * 1000 for o in outputs]
+    return Figures(statistics.median(tpots), sum(len(o.token_ids) for o in outputs) / elapsed,
+                   sum(len(o.token_ids) - 1 for o in outputs) / decode_seconds, kept / drafted if drafted else float("nan"))
+
+
+def cell(values: list[float]) -> str:
+    return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def mechanics(llm, vocab: int, repeats: int, client_counts: list[int]) -> None:  # type: ignore[no-untyped-def]
+    from localserve import SamplingParams
+    from localserve.engine.speculative.ngram import NgramDrafter
+
+    speculator = llm.engine.speculator
+    for clients in client_counts:
+        count = max(clients, 4)
+        prompts = real_shapes.prompt_ids(vocab, count, PROMPT_TOKENS, seed=11 + clients)
+        recorded = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True,
+                                                        num_speculative_tokens=0))
+        continuations = {tuple(p): o.token_ids for p, o in zip(prompts, recorded)}
+        cases = [(a, k, False) for a in (0.0, 0.5, 0.8, 1.0) for k in (2, 4, 8)] + [(0.0, 8, True)]
+        results: dict[tuple[float, int, bool] | None, list[Figures]] = {}
+        for repeat in range(repeats):
+            for case in ([None, *cases] if repeat % 2 == 0 else [*cases[::-1], None]):
+                if case is None:
+                    results.setdefault(None, []).append(run(llm, prompts, clients, 0))
+                    continue
+                acceptance, k, adaptive = case
+                speculator.config = dataclasses.replace(speculator.config, adaptive=adaptive)
+                speculator.drafter = CorruptedDrafter(continuations, acceptance, vocab)
+                results.setdefault(case, []).append(run(llm, prompts, clients, k))
+        speculator.drafter = NgramDrafter(speculator.config.ngram_min, speculator.config.ngram_max)
+        speculator.config = dataclasses.replace(speculator.config, adaptive=True)
+        base = results[None]
+        base_tpot = statistics.median(f.tpot_ms for f in base)
+        base_rate = statistics.median(f.tokens_per_s for f in base)
+        base_decode = statistics.median(f.decode_tokens_per_s for f in base)
+        what = "TPOT ms" if clients == 1 else "output tok/s"
+        print(f"\n{clients} client{'s' if clients > 1 else ''}, {count} requests of {PROMPT_TOKENS} in / "
+              f"{OUTPUT_TOKENS} out, {repeats} interleaved repeats, medians (min-max); ratio > 1: faster"
+              + ("" if clients == 1 else "; decode: tokens/s from the first token to the last"))
+        print(f"{'acceptance':>10} {'k':>2} {'adaptive':>8} {'measured':>8} {what:>22} {'ratio':>6}"
+              + ("" if clients == 1 else f" {'decode tok/s':>22} {'ratio':>6}"))
+
+        def line(label: str, figures: list[Figures]) -> str:
+            if clients == 1:
+                return f"{label} {cell([f.tpot_ms for f in figures]):>22} " \
+                       f"{base_tpot / statistics.median(f.tpot_ms for f in figures):6.2f}"
+            return (f"{label} {cell([f.tokens_per_s for f in figures]):>22} "
+                    f"{statistics.median(f.tokens_per_s for f in figures) / base_rate:6.2f} "
+                    f"{cell([f.decode_tokens_per_s for f in figures]):>22} "
+                    f"{statistics.median(f.decode_tokens_per_s for f in figures) / base_decode:6.2f}")
+
+        print(line(f"{'no drafts':>10} {'':>2} {'':>8} {'':>8}", base))
+        for case in cases:
+            acceptance, k, adaptive = case
+            measured = statistics.median(f.acceptance for f in results[case])
+            print(line(f"{acceptance:10.1f} {k:2d} {'yes' if adaptive else 'no':>8} {measured:8.2f}", results[case]))
+
+
+def lookup(llm, vocab: int, repeats: int) -> None:  # type: ignore[no-untyped-def]
+    """Prompt lookup where the answer is in the prompt: text, then the start of the answer."""
+    from localserve import SamplingParams
+
+    texts = real_shapes.prompt_ids(vocab, 4, PROMPT_TOKENS, seed=29)
+    greedy = SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS, ignore_eos=True, num_speculative_tokens=0)
+    answers = [o.token_ids for o in llm.generate(texts, greedy)]
+    # The text, its answer, the text again: the model answers the second time as the first.
+    prompts = [t + a + t[1:] for t, a in zip(texts, answers)]
+    results: dict[int, list[Figures]] = {}
+    for repeat in range(repeats):
+        for k in ((0, 4, 8) if repeat % 2 == 0 else (8, 4, 0)):
+            results.setdefault(k, []).append(run(llm, prompts, 1, k))
+    base = statistics.median(f.tpot_ms for f in results[0])
+    print(f"\nprompt lookup (ngram, adaptive), one client, {len(prompts)} prompts of "
+          f"{len(prompts[0])} tokens repeating their answer, {OUTPUT_TOKENS} out")
+    for k, figures in results.items():
+        tpot = statistics.median(f.tpot_ms for f in figures)
+        print(f"  k {k}: TPOT {cell([f.tpot_ms for f in figures])} ms, acceptance "
+              f"{statistics.median(f.acceptance for f in figures):.2f}, ratio {base / tpot:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=list(real_shapes.SHAPES))
+    parser.add_argument("--type", default="Q4_K_M")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--parts", nargs="+", default=["mechanics", "lookup"], choices=["mechanics", "lookup"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 16], help="mechanics' client counts")
+    args = parser.parse_args()
+    from localserve import LLM, SpeculativeConfig
+
+    path = real_shapes.model_path(args.shape, args.type)
+    print(cpu_summary())
+    print(f"{path.name}, {args.threads} threads")
+    llm = LLM(path, device="cpu", threads=args.threads, max_num_seqs=16, enable_prefix_caching=False,
+              kv_cache_memory=16 * (PROMPT_TOKENS * 3 + 2 * OUTPUT_TOKENS) * real_shapes.kv_bytes_per_token(path),
+              speculative=SpeculativeConfig(num_tokens=8))
+    vocab = real_shapes.SHAPES[args.shape].vocab
+    if "mechanics" in args.parts:
+        mechanics(llm, vocab, args.repeats, args.clients)
+    if "lookup" in args.parts:
+        lookup(llm, vocab, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
