@@ -17,7 +17,6 @@ distribution that is all on d, so the output follows the target's distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING, Protocol
 
 from .adaptive import DRAFT_ROW_COST
