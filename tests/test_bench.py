@@ -5,8 +5,10 @@ localserve server (the stories model) through the Python API and the CLI."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
+import re
 import socket
 import time
 
@@ -14,7 +16,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from localserve.bench import BenchConfig, BenchError, RequestRecord, compute_metrics, parse_goodput, run_benchmark
+from localserve.bench import (BenchConfig, BenchError, BenchResult, RequestRecord, compute_metrics, parse_goodput,
+                              run_benchmark)
 from localserve.bench.datasets import (SampleRequest, num_special_tokens, prefix_repetition_requests,
                                        random_requests, sharegpt_requests)
 from localserve.bench.load import arrival_times, drive, request_gaps
@@ -333,6 +336,46 @@ def test_run_against_the_server(server) -> None:  # type: ignore[no-untyped-def]
     data = json.loads(json.dumps(result.to_dict()))
     assert len(data["requests"]) == 12 and data["metrics"]["completed"] == 12
     assert data["config"]["ignore_eos"] is True and data["config"]["max_concurrency"] == 4
+    # The server's speculative-decoding counters were read (its default drafts nothing).
+    assert result.spec_decode is not None and result.spec_decode.draft_tokens == 0
+    assert data["spec_decode"]["acceptance_rate"] is None
+
+
+def test_speculative_decoding_counters_in_the_report() -> None:
+    from dataclasses import replace
+
+    from localserve.bench.report import summary_table
+    from localserve.bench.spec_decode import SpecDecodeCounts, parse_spec_decode
+
+    ours = (
+        "# TYPE localserve_spec_decode_num_drafts_total counter\n"
+        'localserve_spec_decode_num_drafts_total{model="a"} 10.0\n'
+        'localserve_spec_decode_num_drafts_total{model="b"} 2.0\n'
+        "# TYPE localserve_spec_decode_num_draft_tokens_total counter\n"
+        'localserve_spec_decode_num_draft_tokens_total{model="a"} 40.0\n'
+        'localserve_spec_decode_num_draft_tokens_total{model="b"} 8.0\n'
+        "# TYPE localserve_spec_decode_num_accepted_tokens_total counter\n"
+        'localserve_spec_decode_num_accepted_tokens_total{model="a"} 30.0\n'
+        'localserve_spec_decode_num_accepted_tokens_total{model="b"} 6.0\n'
+    )
+    assert parse_spec_decode(ours) == SpecDecodeCounts(12, 48, 36)
+    vllm = ours.replace("localserve_", "vllm:")
+    after = parse_spec_decode(vllm)
+    assert after is not None
+    run = after.since(SpecDecodeCounts(2, 8, 4))
+    assert run == SpecDecodeCounts(10, 40, 32) and run.acceptance_rate == 0.8 and run.acceptance_length == 4.2
+    assert parse_spec_decode("# TYPE up gauge\nup 1\n") is None  # llama.cpp's: no such counters
+    from rich.console import Console
+
+    def text(result: BenchResult) -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(summary_table(result))
+        return console.export_text()
+
+    result = BenchResult(BenchConfig(), "http://x", "m", compute_metrics([], 1.0), [], spec_decode=run)
+    assert re.search(r"Draft acceptance rate \(%\)\s*│\s*80\.0", text(result))
+    assert re.search(r"Mean acceptance length \(tokens per verification\)\s*│\s*4\.20", text(result))
+    assert "Draft" not in text(replace(result, spec_decode=None))
 
 
 def test_chat_endpoint_and_server_defaults(server) -> None:  # type: ignore[no-untyped-def]

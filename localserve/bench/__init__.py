@@ -12,8 +12,9 @@ llama.cpp's and llama-cpp-python's servers, vLLM), measuring what vLLM's
 Modules: config (the options), tokenizer (localserve's own or the server's /tokenize, for
 exact prompt lengths),
 datasets (random, sharegpt, prefix-repetition), client (one streamed request, timed),
-load (arrival times, concurrency cap, warm-ups), metrics (the figures), runner (a whole
-run), report (progress bar, tables, JSON, plot).
+load (arrival times, concurrency cap, warm-ups), metrics (the figures), spec_decode (the
+server's speculative-decoding counters over the run), runner (a whole run), report
+(progress bar, tables, JSON, plot).
 """
 
 from __future__ import annotations

@@ -78,6 +78,13 @@ def summary_table(result: BenchResult) -> Table:
         ("Peak output token throughput (tok/s)", f"{m.max_output_tokens_per_s:.2f}"),
         ("Total token throughput (tok/s)", f"{m.total_token_throughput:.2f}"),
     ]
+    spec = result.spec_decode
+    if spec is not None and spec.acceptance_rate is not None and spec.acceptance_length is not None:
+        rows += [
+            ("Draft tokens verified (speculative decoding)", f"{spec.draft_tokens:.0f}"),
+            ("Draft acceptance rate (%)", f"{100 * spec.acceptance_rate:.1f}"),
+            ("Mean acceptance length (tokens per verification)", f"{spec.acceptance_length:.2f}"),
+        ]
     for row in rows:
         table.add_row(*row)
     return table

@@ -19,6 +19,7 @@ from .config import BenchConfig, BenchError
 from .datasets import SampleRequest, sample_requests
 from .load import Trace, arrival_times, drive
 from .metrics import Metrics, compute_metrics
+from .spec_decode import SpecDecodeCounts, read_spec_decode
 from .tokenizer import ServerTokenizer, find_tokenizer
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class BenchResult:
     records: list[RequestRecord]
     started_at: str = ""  # ISO 8601, UTC
     warmup_failures: int = 0
+    # The server's speculative decoding over the run (warm-ups included), from its /metrics;
+    # None where it exports no such counters.
+    spec_decode: SpecDecodeCounts | None = None
 
     @property
     def first_error(self) -> str | None:
@@ -46,6 +50,7 @@ class BenchResult:
             "localserve_version": __version__, "started_at": self.started_at, "url": self.url,
             "model": self.model, "config": self.config.to_dict(), "metrics": self.metrics.to_dict(),
             "warmup_failures": self.warmup_failures, "first_error": self.first_error,
+            "spec_decode": self.spec_decode.to_dict() if self.spec_decode else None,
         }
         if requests:
             data["requests"] = [r.to_dict() for r in self.records]
@@ -93,7 +98,9 @@ async def arun_benchmark(config: BenchConfig, progress: Progress | None = None,
             if requests is None:
                 # In a worker thread: a server's tokenizer answers over HTTP, synchronously.
                 requests = await asyncio.to_thread(sample_requests, config, tokenizer)
+            before = await read_spec_decode(http, url)
             trace = await _drive(config, progress, http, url, model, tokenizer, requests)
+            after = await read_spec_decode(http, url)
         if isinstance(tokenizer, ServerTokenizer):
             # Outputs without a usage count are counted now, not while the load is measured.
             await asyncio.to_thread(count_output_tokens, trace.records, tokenizer)
@@ -101,7 +108,8 @@ async def arun_benchmark(config: BenchConfig, progress: Progress | None = None,
         if isinstance(own_tokenizer, ServerTokenizer):
             own_tokenizer.close()
     metrics = compute_metrics(trace.records, trace.duration, config.metric_percentiles, config.goodput)
-    return BenchResult(config, url, model, metrics, trace.records, started_at, trace.warmup_failures)
+    spec_decode = after.since(before) if before and after else None
+    return BenchResult(config, url, model, metrics, trace.records, started_at, trace.warmup_failures, spec_decode)
 
 
 async def _drive(config: BenchConfig, progress: Progress, http: httpx.AsyncClient, url: str, model: str,
