@@ -326,6 +326,30 @@ def test_a_request_asks_for_drafts_through_the_openai_sdk(tmp_path) -> None:  # 
         with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
             client.completions.create(model="stories", prompt=prompt, max_tokens=4,
                                       extra_body={"num_speculative_tokens": 17})
+        # Ollama's API takes it among the options (the official client passes them through).
+        import ollama
+
+        base = str(client.base_url).removesuffix("/v1/")
+        ollama_client = ollama.Client(host=base)
+        before = float(accepted[0].split()[-1])
+        replies = [ollama_client.generate("stories", prompt, raw=True, options={
+            "temperature": 0, "num_predict": 40, "num_speculative_tokens": k}).response for k in (0, 4)]
+        assert replies[0] == replies[1] == texts[0]
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        after = [line for line in metrics.splitlines()
+                 if line.startswith("localserve_spec_decode_num_accepted_tokens_total{")]
+        assert float(after[0].split()[-1]) > before
+
+
+def test_a_modelfile_parameter_sets_a_models_default() -> None:
+    from localserve.engine.speculative import MAX_DRAFT_TOKENS
+    from localserve.registry.settings import PARAMETERS, ModelSettings
+
+    assert PARAMETERS["num_speculative_tokens"].high == MAX_DRAFT_TOKENS  # the registry's copy of the bound
+    settings = ModelSettings.checked(parameters={"num_speculative_tokens": 4})
+    assert settings.request_fields() == {"num_speculative_tokens": 4}
+    with pytest.raises(LocalserveError, match="num_speculative_tokens"):
+        ModelSettings.checked(parameters={"num_speculative_tokens": 17})
 
 
 def test_the_cli_options_make_the_engine_option() -> None:

@@ -46,6 +46,9 @@ PARAMETERS: dict[str, Parameter] = {
     "stop": Parameter(str, request_field="stop"),
     "num_predict": Parameter(int, -2, 1 << 31),  # -1: until the context is full; -2: fill it
     "num_ctx": Parameter(int, 1, 1 << 24),  # the context a loaded model holds
+    # localserve's own: speculative decoding's draft tokens a step (the engine's bound,
+    # speculative.config.MAX_DRAFT_TOKENS: the registry reaches no engine module)
+    "num_speculative_tokens": Parameter(int, 0, 16, "num_speculative_tokens"),
 }
 
 

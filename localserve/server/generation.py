@@ -82,7 +82,7 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
         skip_special_tokens=body.skip_special_tokens,
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         output_format=body.output_format(),
-        num_speculative_tokens=body.num_speculative_tokens,
+        num_speculative_tokens=field("num_speculative_tokens", None),
     )
     return SamplingParams(**{**fields, **extra})
 

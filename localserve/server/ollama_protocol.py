@@ -88,6 +88,7 @@ class Options(_Body):
     frequency_penalty: float | None = None
     stop: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=MAX_STOP)] | None = None
     num_ctx: int | None = None
+    num_speculative_tokens: int | None = None  # localserve's own (speculative decoding)
 
 
 Format = Literal["", "json"] | JsonSchema | None
