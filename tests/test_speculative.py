@@ -172,6 +172,22 @@ def test_greedy_is_unchanged_for_every_family(tiny_models, kind: str) -> None:  
                         exact=kind not in NOT_BATCH_INVARIANT)
 
 
+def test_greedy_with_drafts_equals_transformers(llama) -> None:  # type: ignore[no-untyped-def]
+    """Against the independent reference too: transformers' greedy generate, one prompt at a
+    time, equals the engine's tokens while it verifies (mostly wrong) drafts in one batch."""
+    from .conftest import VOCAB, hf_greedy
+
+    path, hf = llama
+    prompts = [random_prompt(n, seed=200 + n) for n in (7, 33, 64)]
+    expected = [hf_greedy(hf, p, 20) for p in prompts]
+    llm = LLM(path, device="cpu", num_kv_blocks=256, enable_prefix_caching=False, speculative=ALWAYS)
+    llm.engine.speculator.drafter = ScriptedDrafter({tuple(p): e for p, e in zip(prompts, expected)}, VOCAB)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    stats = llm.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 @pytest.mark.parametrize("name", ["tiny-gptq-4bit-g32-actorder", "tiny-awq-4bit-g64"])
 def test_greedy_is_unchanged_for_gptq_and_awq(name: str) -> None:
     path = DATA / "models" / name
@@ -330,7 +346,7 @@ def test_a_request_asks_for_drafts_through_the_openai_sdk(tmp_path) -> None:  # 
         import ollama
 
         base = str(client.base_url).removesuffix("/v1/")
-        ollama_client = ollama.Client(host=base)
+        ollama_client = ollama.Client(host=base, timeout=60)
         before = float(accepted[0].split()[-1])
         replies = [ollama_client.generate("stories", prompt, raw=True, options={
             "temperature": 0, "num_predict": 40, "num_speculative_tokens": k}).response for k in (0, 4)]

@@ -71,17 +71,20 @@ class Scheduler:
         return batch
 
     def _remaining(self, request: Request, budget: int) -> int:
-        """The request's tokens to compute next, its draft tokens after them (those that
-        do not fit the budget are dropped), within the budget."""
-        num_new = min(request.num_tokens - request.num_computed_tokens + len(request.draft_token_ids), budget)
-        del request.draft_token_ids[max(0, num_new - (request.num_tokens - request.num_computed_tokens)):]
-        return num_new
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _with_drafts(self, request: Request, budget: int) -> int:
+        """The request's next tokens and, after them, the draft tokens the budget has room
+        for (the rest are dropped from the request)."""
+        num_new = self._remaining(request, budget)
+        del request.draft_token_ids[budget - num_new:]
+        return num_new + len(request.draft_token_ids)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._remaining(request, budget)
+            num_new = self._with_drafts(request, budget)
             if request.draft_token_ids and not self.kv.try_allocate(request, num_new):
                 request.draft_token_ids = []  # no room to verify drafts: decode plainly
                 num_new = self._remaining(request, budget)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 # c above: a verified row's share of a plain decode step, by device. On the CPU the int8
 # kernels stream weights only 2-3x slower than they compute on them, so a row costs: a step
-# of Llama-3.2-1B's shape (Q4_K_M, Zen 4) with 1 + k rows took 1.54, 1.80 and 2.41 plain
-# steps at k = 2, 4 and 8 (benchmarks/speculative.py). A GPU's decode step leaves its compute
+# of Llama-3.2-1B's shape (Q4_K_M, Zen 4) with 1 + k rows took 1.54-1.56, 1.80-1.90 and
+# 2.41-2.56 plain steps at k = 2, 4 and 8 (benchmarks/speculative.py, two runs). A GPU's decode step leaves its compute
 # nearly idle, so rows cost little there.
 DRAFT_ROW_COST = {"cpu": 0.2, "cuda": 0.05}
 # Weight of each new outcome in the acceptance rate (an exponential moving average).
