@@ -80,6 +80,10 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 16, 2048, 32, 8, 8192, 128256, 500000.0),
     # The 8B shapes people run: ~4.9 GB at Q4_K_M, an untied LM head (Q6_K in that mix). Their
     # F16 source (16 GB) is written tensor by tensor, never whole in memory.
+    # A draft model for Llama-3.2-1B's shape (benchmarks/speculative.py): its first 2 layers,
+    # embeddings and head. write_random_gguf draws each tensor in file order from one seed,
+    # so a shape that differs only in its layer count gets the very same leading tensors.
+    "llama-3.2-1b-draft": Shape("llama", 2, 2048, 32, 8, 8192, 128256, 500000.0),
     "llama-3.1-8b": Shape("llama", 32, 4096, 32, 8, 14336, 128256, 500000.0, tied=False),
     "qwen3-8b": Shape("qwen3", 36, 4096, 32, 8, 12288, 151936, 1000000.0, head_dim=128, tied=False),
     "qwen2.5-1.5b": Shape("qwen2", 28, 1536, 12, 2, 8960, 151936, 1000000.0, qkv_bias=True),
@@ -411,7 +415,10 @@ def time_first_request(url: str, prompt: str) -> float:
     return time.perf_counter() - start
 
 
-def served(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path) -> Sample:
+def served(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path,
+           extra: tuple[str, ...] = ()) -> Sample:
+    """One server's run of ``workload``; ``extra``: options added to its command line (a
+    repeated option's last value wins)."""
     from localserve.bench import BenchConfig, arun_benchmark
     from localserve.bench.datasets import SampleRequest
     from localserve.bench.tokenizer import load_tokenizer
@@ -435,8 +442,8 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
                 for p in prompts]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = (localserve_command if system == "localserve" else llama_server_command)(path, port, args.threads,
-                                                                                      clients, ctx)
+    command = [*(localserve_command if system == "localserve" else llama_server_command)(path, port, args.threads,
+                                                                                        clients, ctx), *extra]
     ready = url + ("/health" if system == "localserve" else "/v1/models")
     with serving(command, ready, args.threads, workdir / f"{system}.log") as process:
         first_request_s = time_first_request(url, tokenizer.decode(prompts[0][1:17]))

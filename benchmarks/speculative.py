@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py                       # Llama-3.2-1B shape, Q4_K_M (real_shapes.py's file)
     python benchmarks/speculative.py --type Q8_0 --repeats 3
-    python benchmarks/speculative.py --parts mechanics --clients 1     # or: --parts lookup
+    python benchmarks/speculative.py --parts mechanics --clients 1     # or: --parts lookup, draft
 
 In-process (the engine as the daemon runs it, without HTTP), greedy, 2 threads.
 
@@ -16,6 +16,10 @@ tokens/s), each against the same requests without drafts, runs interleaved.
 lookup: prompt lookup (the ngram drafter, adaptive) where the answer copies its prompt: the
 prompt holds a text and the answer's start, and the model's greedy continuation of that text,
 recorded first, is the answer.
+
+draft: a draft model against llama-server's speculative mode (-md), served, the same two
+files (the target and a draft made of its first two layers), the same k: one client's TPOT
+and 16 clients' output tokens/s, each server with and without its draft.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_shapes  # noqa: E402
 from host_facts import cpu_summary  # noqa: E402
 
+from localserve.engine.speculative.drafter import PerRequestDrafter  # noqa: E402
+
 PROMPT_TOKENS, OUTPUT_TOKENS = 128, 64
 
 
-class CorruptedDrafter:
+class CorruptedDrafter(PerRequestDrafter):
     """Each request's recorded continuation, each token of it wrong with probability
     1 - ``acceptance`` (decided by a hash of the request and position: a position is
     proposed the same way every time)."""
@@ -162,28 +168,76 @@ def lookup(llm, vocab: int, repeats: int) -> None:  # type: ignore[no-untyped-de
               f"{statistics.median(f.acceptance for f in figures):.2f}, ratio {base / tpot:.2f}")
 
 
+def draft_pair(args: argparse.Namespace, k: int, workloads: list[str]) -> None:
+    """A draft model against llama-server's, served, on the same two files: the target and
+    its first two layers (real_shapes' llama-3.2-1b-draft), k draft tokens at most."""
+    import tempfile
+
+    target = real_shapes.model_path(args.shape, args.type)
+    draft = real_shapes.model_path(f"{args.shape}-draft", args.type)
+    # Room for the draft's cache too: the two pools split --kv-cache-memory.
+    per_token = real_shapes.kv_bytes_per_token(target) + real_shapes.kv_bytes_per_token(draft)
+    options = {
+        ("localserve", False): (),
+        ("localserve", True): ("--draft-model", str(draft), "--num-speculative-tokens", str(k),
+                               "--kv-cache-memory", str(32 * 512 * per_token)),
+        ("llama.cpp", False): (),
+        ("llama.cpp", True): ("-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+                              "--spec-draft-n-min", "0", "-td", str(args.threads), "-tbd", str(args.threads)),
+    }
+    print(f"\ndraft model {draft.name} for {target.name}, k {k}, served ({args.repeats} interleaved repeats)")
+    with tempfile.TemporaryDirectory() as workdir:
+        for workload in workloads:
+            samples: dict[tuple[str, bool], list[float]] = {}
+            for repeat in range(args.repeats):
+                for case in (list(options) if repeat % 2 == 0 else list(options)[::-1]):
+                    sample = real_shapes.served(case[0], target, workload, args, Path(workdir), options[case])
+                    samples.setdefault(case, []).append(sample.value)
+            unit = "TPOT ms" if workload == "one" else "output tok/s"
+            print(f"  {'one client' if workload == 'one' else workload + ' clients'} ({unit}):")
+            for case, values in samples.items():
+                print(f"    {case[0]:>10} {'with draft' if case[1] else 'plain':>10}: {cell(values)}")
+
+            def median(case: tuple[str, bool]) -> float:
+                return statistics.median(samples[case])
+
+            gain = (lambda a, b: b / a) if workload == "one" else (lambda a, b: a / b)
+            print(f"    drafting's gain: localserve {gain(median(('localserve', True)), median(('localserve', False))):.2f}x, "
+                  f"llama.cpp {gain(median(('llama.cpp', True)), median(('llama.cpp', False))):.2f}x; "
+                  f"localserve with draft over llama.cpp with draft: "
+                  f"{gain(median(('localserve', True)), median(('llama.cpp', True))):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.2-1b", choices=list(real_shapes.SHAPES))
     parser.add_argument("--type", default="Q4_K_M")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", default=["mechanics", "lookup"], choices=["mechanics", "lookup"])
+    parser.add_argument("--parts", nargs="+", default=["mechanics", "lookup", "draft"],
+                        choices=["mechanics", "lookup", "draft"])
+    parser.add_argument("--draft-workloads", nargs="+", default=["one", "16"], choices=["one", "16"],
+                        help="the draft pair's served workloads (real_shapes' one and 16)")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="the draft pair's k")
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 16], help="mechanics' client counts")
     args = parser.parse_args()
     from localserve import LLM, SpeculativeConfig
 
-    path = real_shapes.model_path(args.shape, args.type)
     print(cpu_summary())
-    print(f"{path.name}, {args.threads} threads")
-    llm = LLM(path, device="cpu", threads=args.threads, max_num_seqs=16, enable_prefix_caching=False,
-              kv_cache_memory=16 * (PROMPT_TOKENS * 3 + 2 * OUTPUT_TOKENS) * real_shapes.kv_bytes_per_token(path),
-              speculative=SpeculativeConfig(num_tokens=8))
-    vocab = real_shapes.SHAPES[args.shape].vocab
-    if "mechanics" in args.parts:
-        mechanics(llm, vocab, args.repeats, args.clients)
-    if "lookup" in args.parts:
-        lookup(llm, vocab, args.repeats)
+    if {"mechanics", "lookup"} & set(args.parts):
+        path = real_shapes.model_path(args.shape, args.type)
+        print(f"{path.name}, {args.threads} threads")
+        llm = LLM(path, device="cpu", threads=args.threads, max_num_seqs=16, enable_prefix_caching=False,
+                  kv_cache_memory=16 * (PROMPT_TOKENS * 3 + 2 * OUTPUT_TOKENS) * real_shapes.kv_bytes_per_token(path),
+                  speculative=SpeculativeConfig(num_tokens=8))
+        vocab = real_shapes.SHAPES[args.shape].vocab
+        if "mechanics" in args.parts:
+            mechanics(llm, vocab, args.repeats, args.clients)
+        if "lookup" in args.parts:
+            lookup(llm, vocab, args.repeats)
+        del llm  # one system at a time
+    if "draft" in args.parts:
+        draft_pair(args, args.draft_tokens, args.draft_workloads)
 
 
 if __name__ == "__main__":

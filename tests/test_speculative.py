@@ -16,6 +16,7 @@ import pytest
 from localserve import LLM, LocalserveError, SamplingParams
 from localserve.engine.speculative import SpeculativeConfig
 from localserve.engine.speculative.adaptive import Acceptance, expected_tokens
+from localserve.engine.speculative.drafter import PerRequestDrafter
 from localserve.engine.speculative.ngram import TokenHistory, propose
 
 from .conftest import DATA, MODEL_KINDS, random_prompt
@@ -112,7 +113,7 @@ def greedy(max_tokens: int = 24, **options) -> SamplingParams:  # type: ignore[n
     return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True, **options)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(PerRequestDrafter):
     """Proposes each request's known continuation (from a run without drafts) with every
     fifth token of it wrong: each step's drafts are kept up to a wrong one, so both verdicts
     occur whatever the model (a random tiny model seldom repeats itself for prompt lookup)."""
@@ -238,14 +239,20 @@ def test_penalties_and_bias_see_the_drafts_before_each_position() -> None:
 
 
 def test_sampled_tokens_follow_the_target_distribution() -> None:
-    """Tokens sampled at temperature 1 within the top 3, with prompt lookup drafting the
-    second and third (the prompt repeats the phrase they continue): the frequencies of the
-    pairs (second, third) after the likeliest first token, against the probabilities the
-    model gives them (the second's, times the third's given the second), a chi-square test.
-    Keeping a draft token more or less often than the model samples it moves them off."""
+    """Prompt lookup drafting the second and third tokens (the prompt repeats the phrase
+    they continue): see ``check_sampled_distribution``."""
     llm = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=1024, max_num_seqs=64, speculative=ALWAYS)
-    prompt = llm.engine.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play. "
-                                         "Once upon a time, there was a")
+    check_sampled_distribution(llm, "Once upon a time, there was a little girl named Lily. She loved to play. "
+                                    "Once upon a time, there was a")
+
+
+def check_sampled_distribution(llm: LLM, text: str) -> None:
+    """Tokens sampled at temperature 1 within the top 3, with drafts verified: the
+    frequencies of the pairs (second, third) after the likeliest first token, against the
+    probabilities the model gives them (the second's, times the third's given the second),
+    a chi-square test. Keeping a draft token more or less often than the model samples it
+    moves them off."""
+    prompt = llm.engine.tokenizer.encode(text)
 
     def top3(ids: list[int]) -> dict[int, float]:
         """The model's distribution for the next token, within its 3 likeliest."""
@@ -274,7 +281,7 @@ def test_sampled_tokens_follow_the_target_distribution() -> None:
 # -- the KV cache -------------------------------------------------------------------------
 
 
-class RepeatDrafter:
+class RepeatDrafter(PerRequestDrafter):
     """Proposes the last token again, as many times as allowed: drafts every step."""
 
     def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -317,6 +324,115 @@ def test_rejected_drafts_give_their_blocks_back() -> None:
     stats = engine.speculator.stats
     assert stats.num_drafts > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
     assert engine.stats().kv_blocks_used == 0
+
+
+# -- a draft model -----------------------------------------------------------------------
+
+
+def draft_config(path, num_tokens: int = 4) -> SpeculativeConfig:  # type: ignore[no-untyped-def]
+    return SpeculativeConfig(method="draft_model", draft_model=str(path), num_tokens=num_tokens, adaptive=False)
+
+
+def shallow_copy(hf, path):  # type: ignore[no-untyped-def]
+    """The model with its first layer only (its embeddings and head shared): a draft that
+    agrees with it on some tokens and not on others, whatever the seed."""
+    import copy
+
+    draft = copy.deepcopy(hf)
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    draft.save_pretrained(path)
+    return path
+
+
+def test_greedy_is_unchanged_with_a_draft_model(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A draft model (the target's first layer) proposing in one batch for requests that
+    draft, that do not, and that are still prefilling (the draft catches up on their
+    prompts in chunks of the step's budget): token for token and logprob for logprob what
+    decoding without it gives, mixed verdicts, every block of both pools back at the end."""
+    from .conftest import VOCAB
+
+    path, hf = llama
+    draft = shallow_copy(hf, tmp_path / "draft")
+    options = dict(device="cpu", num_kv_blocks=256, max_num_batched_tokens=24, enable_prefix_caching=False)
+    plain, speculating = LLM(path, **options), LLM(path, speculative=draft_config(draft), **options)
+    prompts = [[t % VOCAB for t in random_prompt(n, seed=n)] for n in (9, 20, 5, 60, 12)]
+    params = [greedy(24), greedy(17, num_speculative_tokens=0), greedy(9, num_speculative_tokens=2), greedy(24),
+              greedy(12, num_speculative_tokens=8)]
+    assert_same(speculating.generate(prompts, params), plain.generate(prompts, params))
+    stats = speculating.engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert speculating.engine.stats().kv_blocks_used == 0
+    assert speculating.engine.speculator.drafter.pool.num_used == 0  # type: ignore[attr-defined]
+
+
+def test_a_draft_model_of_the_same_weights_drafts_what_the_model_decodes() -> None:
+    """The trained model's HF conversion drafting for its GGUF: the same tokenizer checked,
+    nearly every draft kept, the text unchanged."""
+    from .conftest import STORIES_HF
+
+    options = dict(device="cpu", num_kv_blocks=128)
+    plain = LLM(STORIES_GGUF, **options)
+    speculating = LLM(STORIES_GGUF, speculative=draft_config(STORIES_HF), **options)
+    prompts = ["Once upon a time", "Tom had a red ball.", "The cat sat on the mat and"]
+    params = greedy(40)
+    assert [fingerprint(o) for o in speculating.generate(prompts, params)] == \
+        [fingerprint(o) for o in plain.generate(prompts, params)]
+    stats = speculating.engine.speculator.stats
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+
+
+def test_sampling_with_a_draft_model_follows_the_target_distribution() -> None:
+    """The chi-square test above with the draft model's greedy drafts (the same weights):
+    a draft kept exactly as often as the model samples it."""
+    from .conftest import STORIES_HF
+
+    llm = LLM(STORIES_GGUF, device="cpu", num_kv_blocks=1024, max_num_seqs=64,
+              speculative=draft_config(STORIES_HF))
+    check_sampled_distribution(llm, "Once upon a time, there was a little girl named")
+
+
+def test_a_draft_model_must_share_the_vocabulary(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A clear error at load for a draft of another vocabulary: of another size, without a
+    tokenizer to compare, or with one that differs in a single token."""
+    import shutil
+
+    from .conftest import STORIES_HF
+
+    path, _ = llama
+    with pytest.raises(LocalserveError, match="vocabulary of 256 tokens, the model 512"):
+        LLM(STORIES_GGUF, device="cpu", num_kv_blocks=32, speculative=draft_config(path))
+    bare = shutil.copytree(STORIES_HF, tmp_path / "bare", ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(LocalserveError, match="only one of it and the model has a tokenizer"):
+        LLM(STORIES_GGUF, device="cpu", num_kv_blocks=32, speculative=draft_config(bare))
+    other = shutil.copytree(STORIES_HF, tmp_path / "other")
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = (next(token for token, i in vocab.items() if i == n) for n in (300, 301))
+    vocab[first], vocab[second] = 301, 300  # two tokens' ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(LocalserveError, match="does not share the model's tokenizer .token id 300"):
+        LLM(STORIES_GGUF, device="cpu", num_kv_blocks=32, speculative=draft_config(other))
+    with pytest.raises(LocalserveError, match="draft model"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(LocalserveError, match="draft model"):
+        SpeculativeConfig(draft_model=str(path))
+
+
+def test_cancelled_requests_return_the_draft_models_blocks(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path, hf = llama
+    llm = LLM(path, device="cpu", num_kv_blocks=128, speculative=draft_config(shallow_copy(hf, tmp_path / "d")))
+    engine = llm.engine
+    ids = [engine.add_request(random_prompt(30 + i, seed=i), SamplingParams(temperature=0, max_tokens=60,
+                                                                          ignore_eos=True)) for i in range(4)]
+    while engine.speculator.stats.num_drafts < 6:
+        engine.step()
+    engine.speculator.propose(engine.scheduler.running)
+    pool = engine.speculator.drafter.pool  # type: ignore[attr-defined]
+    assert pool.num_used > 0
+    for request_id in ids:
+        engine.abort(request_id)
+    assert engine.stats().kv_blocks_used == 0 and pool.num_used == 0
 
 
 # -- the HTTP API -------------------------------------------------------------------------
@@ -379,3 +495,33 @@ def test_the_cli_options_make_the_engine_option() -> None:
     assert engine_config({"speculative": None, "num_speculative_tokens": None}).speculative.num_tokens == 0
     with pytest.raises(click.UsageError, match="--speculative"):
         engine_config({"speculative": None, "num_speculative_tokens": 3})
+    assert engine_config({"speculative": None, "draft_model": STORIES_GGUF}).speculative == \
+        SpeculativeConfig(method="draft_model", draft_model=str(STORIES_GGUF), num_tokens=4)
+    with pytest.raises(click.UsageError, match="--draft-model goes with --speculative draft_model"):
+        engine_config({"speculative": "ngram", "draft_model": STORIES_GGUF})
+
+
+def test_run_drafts_with_a_draft_model_from_the_command_line(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``localserve run --draft``: the reply of plain ``run``, with the draft model loaded."""
+    from click.testing import CliRunner
+
+    from localserve.cli.main import main
+    from localserve.engine import engine
+
+    from .conftest import STORIES_HF
+
+    loaded = []
+    load = engine.load_draft_model
+    monkeypatch.setattr(engine, "load_draft_model", lambda path, *args: loaded.append(path) or load(path, *args))
+
+    def run(*options: str) -> str:
+        result = CliRunner().invoke(main, ["run", str(STORIES_GGUF), "Once upon a time", "--max-tokens", "30",
+                                           "--temperature", "0", *options])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    assert run("--draft", str(STORIES_HF), "--num-speculative-tokens", "3") == run()
+    assert loaded == [str(STORIES_HF)]
+    result = CliRunner().invoke(main, ["run", str(STORIES_GGUF), "hi", "--draft-model", "no-such-model"])
+    assert result.exit_code != 0 and "no-such-model" in result.output
+

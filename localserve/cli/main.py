@@ -114,11 +114,17 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
                "replaying the CUDA graphs captured at load."),
         click.option("--speculative", "speculative", type=click.Choice(list(METHODS)), default=None,
                      help="Speculative decoding: ngram drafts the tokens that followed the sequence's last few "
-                          "earlier on (prompt lookup: no draft model); each step verifies every request's drafts. "
+                          "earlier on (prompt lookup: no draft model), draft_model runs --draft-model; each step "
+                          "verifies every request's drafts. "
                           "Exact: the output is what decoding without it gives (greedy) or follows (sampling)."),
+        click.option("--draft-model", "--draft", "draft_model", type=ModelPath(), default=None,
+                     help="Speculative decoding with a draft model: a smaller model of the same tokenizer (registry "
+                          "name, .gguf file or checkpoint folder, e.g. Llama-3.2-1B for Llama-3.1-8B) proposes each "
+                          "request's next tokens, in one batch, in its own KV cache (--speculative draft_model)."),
         click.option("--num-speculative-tokens", "num_speculative_tokens",
                      type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
-                     help="Draft tokens a request verifies per step at most (with --speculative; default 4); "
+                     help="Draft tokens a request verifies per step at most (with --speculative or --draft-model; "
+                          "default 4); "
                           "each request drafts fewer, or none, while its drafts are seldom accepted."),
         click.option("--prepared-cache/--no-prepared-cache", "prepared_cache", default=True, show_default=True,
                      help="On the CPU, keep a GGUF model's weights in the kernels' layout under <home>/prepared "
@@ -138,10 +144,16 @@ def engine_config(options: dict[str, object]) -> EngineConfig:
 
         options["prepared_cache"] = str(default_home() / "prepared") if options["prepared_cache"] else None
     method, draft_tokens = options.pop("speculative", None), options.pop("num_speculative_tokens", None)
+    draft_model = options.pop("draft_model", None)
+    if draft_model is not None:
+        if method not in (None, "draft_model"):
+            raise click.UsageError(f"--draft-model goes with --speculative draft_model, not {method}")
+        method = "draft_model"
     if method is not None:
-        options["speculative"] = SpeculativeConfig(method=method, num_tokens=4 if draft_tokens is None else draft_tokens)
+        options["speculative"] = SpeculativeConfig(method=method, num_tokens=4 if draft_tokens is None else draft_tokens,
+                                                   draft_model=None if draft_model is None else str(draft_model))
     elif draft_tokens is not None:
-        raise click.UsageError("--num-speculative-tokens needs --speculative")
+        raise click.UsageError("--num-speculative-tokens needs --speculative or --draft-model")
     return EngineConfig(**{name: options.pop(name) for name in names if name in options})  # type: ignore[arg-type]
 
 

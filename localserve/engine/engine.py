@@ -5,23 +5,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from .. import models
-from ..formats import Checkpoint
 from ..kernels import cpu_library
-from . import prepared_store
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..formats.layout import check_tensors, layout
-from ..formats.weights import NamedWeight, weight_sizes
+from ..formats.weights import weight_sizes
 from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
 from . import cuda_graphs
 from .kv_cache import BlockPool, KVCacheManager, allocate_kv_tensors
+from .loading import load_model
 from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
 from .memory import check_weights_fit, context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
@@ -31,17 +28,12 @@ from .request import Request
 from .runner import ModelRunner, RunnerOutput, warmup_token_counts
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, ScheduledBatch
+from .speculative.draft_model import DraftModel, load_draft_model
 from .speculative.speculator import Speculator
 from .stats import EngineStats, LoadProgress
 from .structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
-
-
-def _counted(weights: Iterator[NamedWeight], progress: LoadProgress) -> Iterator[NamedWeight]:
-    for weight in weights:
-        yield weight
-        progress.done += 1
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -100,11 +92,13 @@ class Engine:
         if self.device.type == "cuda":
             check_weights_fit(weight_sizes(checkpoint, self.dtype), self.config, spec.num_layers, self.device)
         progress.step("loading weights", total=len(layout(spec).shapes))
-        self.model = self._load_model(checkpoint, context, progress)
+        self.model = load_model(checkpoint, self.config, self.device, self.dtype, self.kernels, context, progress)
+        draft = self._load_draft_model(context, progress)
         progress.step("sizing the KV cache")
         with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
-                self.config, self.model, spec, self.kv_dtype, self.device, context))
+                self.config, self.model, spec, self.kv_dtype, self.device, context),
+                companion_block_bytes=draft.block_bytes(block_size) if draft else 0)
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
         # <= context: the CPU's default pool follows the free memory, read again now that
         # the weights are in, and memory freed meanwhile must not outgrow the model's tables.
@@ -129,7 +123,9 @@ class Engine:
             progress.step("warming up")
             self._warm_up()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.speculator = Speculator(self.config.speculative, self.max_model_len, self.device.type)
+        drafter = draft.drafter(num_blocks, block_size, self.device, self.kernels,
+                                self.config.step_tokens(self.device.type)) if draft else None
+        self.speculator = Speculator(self.config.speculative, self.max_model_len, self.device.type, drafter)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
@@ -142,23 +138,15 @@ class Engine:
         self.num_generated_tokens_total = 0
         self.num_finished_requests = 0
 
-    def _load_model(self, checkpoint: Checkpoint, context: int, progress: LoadProgress) -> models.LlamaForCausalLM:
-        """The model built from the checkpoint, or mapped from its stored CPU layout
-        (prepared_store.py) when there is one; a built model's layout is stored."""
-        on_int8_kernels = (self.device.type == "cpu" and self.kernels.cpu_kernels
-                           and not self.config.exact_cpu_matmul)
-        stored = (prepared_store.location(self.config.prepared_cache, checkpoint, self.dtype)
-                  if on_int8_kernels else None)
-        if stored is not None and (model := prepared_store.load(checkpoint.spec, stored, self.device, self.dtype,
-                                                                context)) is not None:
-            progress.done = progress.total
-            return model
-        model = models.build(checkpoint.spec, _counted(checkpoint.weights(), progress), self.device, self.dtype,
-                             context, cpu_moe_layers=self.config.cpu_moe_layers(checkpoint.spec.num_layers),
-                             exact_cpu_matmul=self.config.exact_cpu_matmul, cpu_kernels=self.kernels.cpu_kernels)
-        if stored is not None:
-            prepared_store.store(model, stored, checkpoint)
-        return model
+    def _load_draft_model(self, context: int, progress: LoadProgress) -> DraftModel | None:
+        """The speculative config's draft model, loaded before the KV pools are sized: its
+        weights count in the memory left, its cache shares the pool's budget."""
+        path = self.config.speculative.draft_model
+        if path is None:
+            return None
+        progress.step("loading the draft model")
+        return load_draft_model(path, self.checkpoint, self.tokenizer, self.config, self.device, self.dtype,
+                                self.kernels, context, progress)
 
     def _warm_up(self) -> None:
         """Compile the kernels of prefill steps and capture the decode steps' CUDA graphs,
@@ -258,6 +246,7 @@ class Engine:
         if request is None:
             return
         self.scheduler.finish(request)
+        self.speculator.release(request)
         request.finish_reason = "abort"
         self.outputs.remove(request_id)
 
@@ -324,6 +313,7 @@ class Engine:
 
     def _release(self, request: Request) -> None:
         self.scheduler.finish(request)
+        self.speculator.release(request)
         self.outputs.remove(request.request_id)
         del self.requests[request.request_id]
         self.num_finished_requests += 1

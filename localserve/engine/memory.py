@@ -82,25 +82,29 @@ class PoolSizes:
 
 
 def pool_sizes(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtype, device_type: str,
-               gpu_budget: Callable[[], int], host_free: Callable[[], int] | None = None) -> PoolSizes:
+               gpu_budget: Callable[[], int], host_free: Callable[[], int] | None = None,
+               companion_block_bytes: int = 0) -> PoolSizes:
     """The pools the options give (see the module doc). Only when no option fixes the
     device pool's size, ``gpu_budget`` is asked for the bytes a CUDA device has left for
     it, and on the CPU ``host_free`` for the host's free bytes (default: what
-    ``available_host_memory`` reads now)."""
+    ``available_host_memory`` reads now). ``companion_block_bytes``: each device block
+    comes with one of a draft model's pool, paid from the same budget."""
     block_bytes = kv_bytes_per_block(spec, config.block_size, kv_dtype)
+    paired_bytes = block_bytes + companion_block_bytes
     if config.num_kv_blocks is not None:
         budget, reason = config.num_kv_blocks * block_bytes, "num_kv_blocks set"
     elif config.kv_cache_memory is not None:
         budget, reason = config.kv_cache_memory, "kv_cache_memory set"
     elif device_type != "cuda":
         free = host_free() if host_free is not None else available_host_memory().available
-        budget, reason = cpu_default_budget(config, spec, block_bytes, free)
+        budget, reason = cpu_default_budget(config, spec, paired_bytes, free)
     else:
         budget, reason = gpu_budget(), "what gpu_memory_utilization leaves"
     cpu_blocks = config.num_cpu_blocks
     if cpu_blocks is None:
         cpu_blocks = int(config.cpu_offload_gb * GiB) // block_bytes
-    return PoolSizes(block_bytes, max(0, budget) // block_bytes, cpu_blocks, budget, reason)
+    device_blocks = config.num_kv_blocks if config.num_kv_blocks is not None else max(0, budget) // paired_bytes
+    return PoolSizes(block_bytes, device_blocks, cpu_blocks, budget, reason)
 
 
 def cpu_default_budget(config: EngineConfig, spec: ModelSpec, block_bytes: int, free: int) -> tuple[int, str]:

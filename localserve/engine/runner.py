@@ -41,16 +41,67 @@ class RunnerOutput:
     embeddings: list[tuple[Request, torch.Tensor]]  # embedding requests whose prompt is done, with their vector
 
 
+@dataclass(slots=True)
+class Span:
+    """One sequence's rows in a step: positions ``start`` to ``end`` (exclusive) are written
+    to the cache slots its ``block_table`` names, and attend to every position before."""
+
+    start: int
+    end: int
+    block_table: list[int]
+
+
+def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
+                       padding: int = 0) -> AttentionMetadata:
+    """The attention metadata of a step over ``spans`` (in row order), with ``padding``
+    one-row sequences after them: position 0, writing no cache slot (-1), attending to
+    one key of block 0."""
+    slots: list[int] = []
+    query_start, seq_lens, query_lens = [0], [], []
+    for span in spans:
+        table = span.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(span.start, span.end))
+        query_lens.append(span.end - span.start)
+        query_start.append(query_start[-1] + query_lens[-1])
+        seq_lens.append(span.end)
+    max_blocks = max(len(span.block_table) for span in spans)
+    tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
+    for _ in range(padding):
+        slots.append(-1)
+        query_start.append(query_start[-1] + 1)
+        seq_lens.append(1)
+        query_lens.append(1)
+        tables.append([0] * max_blocks)
+    return AttentionMetadata(
+        slot_mapping=host_tensor(slots, torch.int64, device),
+        query_start_loc=host_tensor(query_start, torch.int32, device),
+        seq_lens=host_tensor(seq_lens, torch.int32, device),
+        block_tables=host_tensor(tables, torch.int32, device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_host=query_lens,
+        seq_lens_host=seq_lens,
+    )
+
+
+def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # type: ignore[type-arg]
+    """``values`` as a tensor on ``device``. On the CPU without the .to: between a step's
+    kernels every torch call runs with cold caches (~40 us where a warm loop takes 3), so
+    the step makes as few as it can."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
                    pad_to: int | None = None) -> ModelInputs:
     """The batch as flat tensors on ``device``; with ``pad_to``, a decode batch (one new
-    token per sequence) grown to that many sequences by padding rows: token 0 at
-    position 0, writing no cache slot (-1), attending to one key of block 0, never
-    sampled (how a CUDA graph's bucket takes a smaller batch)."""
+    token per sequence) grown to that many sequences by padding rows (token 0, see
+    ``attention_metadata``), never sampled (how a CUDA graph's bucket takes a smaller batch)."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
-    query_start, seq_lens, sample_rows, to_sample = [0], [], [], []
+    spans: list[Span] = []
+    rows = 0  # rows before the request's
+    sample_rows, to_sample = [], []
     prompt_rows, prompt_requests, prompt_targets = [], [], []
     pooled_chunks = []
     for request, num_new in zip(batch.requests, batch.num_new_tokens):
@@ -60,62 +111,33 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         input_ids.extend(request.token_ids[start:end])
         input_ids.extend(drafts[:end - request.num_tokens])
         positions.extend(range(start, end))
-        table = request.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        spans.append(Span(start, end, request.block_table))
         owed_from = request.prompt_logprobs_owed_from  # past any recorded before a recompute
         if owed_from is not None:  # position p predicts prompt token p + 1
             owed = range(max(start, owed_from), min(end, request.num_prompt_tokens - 1))
-            prompt_rows.extend(query_start[-1] + p - start for p in owed)
+            prompt_rows.extend(rows + p - start for p in owed)
             prompt_requests.extend([request] * len(owed))
             prompt_targets.extend(request.prompt_token_ids[p + 1] for p in owed)
-        query_start.append(query_start[-1] + num_new)
-        seq_lens.append(end)
         if request.pooling is not None:  # an embedding: its hidden states are pooled, nothing sampled
-            pooled_chunks.append((request, query_start[-2], num_new, start))
+            pooled_chunks.append((request, rows, num_new, start))
         elif end == request.num_tokens + len(drafts):  # the chunk reaches the last token: sample (and verify)
-            sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
+            sample_rows.extend(range(rows + num_new - 1 - len(drafts), rows + num_new))
             to_sample.append(request)
+        rows += num_new
 
-    max_blocks = max(len(r.block_table) for r in batch.requests)
-    tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r in batch.requests]
-    query_lens = list(batch.num_new_tokens)
     padding = 0 if pad_to is None else pad_to - len(batch.requests)
-    if padding < 0 or (padding and max(query_lens) != 1):
+    if padding < 0 or (padding and max(batch.num_new_tokens) != 1):
         raise ValueError(f"cannot pad a batch of {len(batch.requests)} sequences (query lengths up to "
-                         f"{max(query_lens)}) to {pad_to}")
-    for _ in range(padding):
-        input_ids.append(0)
-        positions.append(0)
-        slots.append(-1)
-        query_start.append(query_start[-1] + 1)
-        seq_lens.append(1)
-        query_lens.append(1)
-        tables.append([0] * max_blocks)
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[type-arg]
-        # On the CPU without the .to: between a step's kernels every torch call runs with cold
-        # caches (~40 us where a warm loop takes 3), so the step makes as few as it can.
-        host = torch.tensor(values, dtype=dtype)
-        return host if device.type == "cpu" else host.to(device, non_blocking=True)
-
+                         f"{max(batch.num_new_tokens)}) to {pad_to}")
+    input_ids.extend([0] * padding)
+    positions.extend([0] * padding)
     logits_rows = sample_rows + prompt_rows
-
-    meta = AttentionMetadata(
-        slot_mapping=tensor(slots, torch.int64),
-        query_start_loc=tensor(query_start, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        block_tables=tensor(tables, torch.int32),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_host=query_lens,
-        seq_lens_host=seq_lens,
-    )
     return ModelInputs(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        meta=meta,
+        input_ids=host_tensor(input_ids, torch.int64, device),
+        positions=host_tensor(positions, torch.int64, device),
+        meta=attention_metadata(spans, block_size, device, padding),
         logits_rows=None if len(logits_rows) == len(input_ids) and logits_rows == list(range(len(input_ids)))
-        else tensor(logits_rows, torch.int64),
+        else host_tensor(logits_rows, torch.int64, device),
         to_sample=to_sample,
         prompt_requests=prompt_requests,
         prompt_targets=prompt_targets,

@@ -6,6 +6,7 @@ only while every draft token before it was accepted. With each draft token accep
 probability a, k draft tokens yield E(k) = (1 - a^(k+1)) / (1 - a) tokens. A step of R rows
 costs 1 + c (R - 1) plain one-row steps; with B requests decoding, a request's k drafts turn
 a step of B tokens for 1 + c (B - 1) into one of B - 1 + E(k) tokens for 1 + c (B - 1 + k).
+A draft model adds its own steps, t of a plain step per draft token (prompt lookup: none).
 The request drafts the k that makes the most tokens per cost, and none when no k beats a
 plain step: a drafter that keeps missing costs nothing, and where the batch is already big
 enough that rows cost what they yield, drafting stops unless nearly every draft is kept.
@@ -46,14 +47,15 @@ class Acceptance:
         for outcome in [1.0] * accepted + ([0.0] if accepted < proposed else []):
             self.rate += SMOOTHING * (outcome - self.rate)
 
-    def draft_length(self, most: int, row_cost: float, decoding: int = 1) -> int:
+    def draft_length(self, most: int, row_cost: float, decoding: int = 1, token_cost: float = 0.0) -> int:
         """The number of draft tokens, up to ``most``, that makes a step of ``decoding``
-        requests yield most tokens per cost, a row costing ``row_cost`` of a one-row step."""
+        requests yield most tokens per cost, a row costing ``row_cost`` of a one-row step
+        and drafting a token ``token_cost`` (a draft model's step; 0 for prompt lookup)."""
         others = max(decoding, 1) - 1
         plain_cost = 1.0 + row_cost * others
         best, best_yield = 0, (others + 1.0) / plain_cost
         for k in range(1, most + 1):
-            gain = (others + expected_tokens(self.rate, k)) / (plain_cost + row_cost * k)
+            gain = (others + expected_tokens(self.rate, k)) / (plain_cost + (row_cost + token_cost) * k)
             if gain > best_yield * (1 + 1e-9):
                 best, best_yield = k, gain
         return best

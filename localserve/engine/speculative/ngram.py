@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .drafter import PerRequestDrafter
+
 
 class TokenHistory:
     """A request's token ids as a growing int64 array (amortized doubling)."""
@@ -32,7 +34,7 @@ class TokenHistory:
         return self._buffer[:new]
 
 
-class NgramDrafter:
+class NgramDrafter(PerRequestDrafter):
     """The ``ngram`` method's drafter (see ``propose``)."""
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:

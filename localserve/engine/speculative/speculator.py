@@ -17,24 +17,16 @@ distribution that is all on d, so the output follows the target's distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from .adaptive import DRAFT_ROW_COST
 from .config import SpeculativeConfig
+from .drafter import Drafter, DraftQuery
 from .ngram import NgramDrafter
 from .state import RequestSpeculation
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ..request import Request
-
-
-class Drafter(Protocol):
-    def propose(self, request: Request, tokens: np.ndarray, count: int) -> list[int]:
-        """Up to ``count`` tokens to follow ``tokens`` (the request's token ids so far);
-        the same tokens every time it is asked the same."""
-        ...
 
 
 @dataclass(slots=True)
@@ -45,19 +37,38 @@ class SpeculationStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu") -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu",
+                 drafter: Drafter | None = None) -> None:
+        """``drafter``: the draft model's (draft_model.py), else the config's method's own
+        (a test or benchmark may put a drafter of its own on ``self.drafter``)."""
         self.config = config
         self.max_model_len = max_model_len
         self.row_cost = DRAFT_ROW_COST.get(device_type, DRAFT_ROW_COST["cuda"])
         self.stats = SpeculationStats()
-        # The config's method (a test or benchmark may put a drafter of its own here).
-        self.drafter: Drafter = NgramDrafter(config.ngram_min, config.ngram_max)
+        self.drafter: Drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
 
     def propose(self, running: list[Request]) -> None:
         """Set each running request's draft tokens for the next step ([] for most)."""
         decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
+        queries, counts = [], []
         for request in running:
-            request.draft_token_ids = self._drafts(request, decoding)
+            request.draft_token_ids = []
+            query = self._query(request, decoding)
+            if query is not None:
+                queries.append(query[0])
+                counts.append(query[1])
+        for query, count, proposal in zip(queries, counts, self.drafter.propose_all(queries)):
+            state = query.request.speculation
+            assert state is not None
+            if count == 0:  # not drafting: the proposal is only checked against what comes
+                if proposal:
+                    state.shadow = (query.tokens.shape[0], proposal[0])
+            else:
+                query.request.draft_token_ids = proposal[:count]
+
+    def release(self, request: Request) -> None:
+        if request.speculation is not None:
+            self.drafter.release(request.request_id)
 
     def accept(self, request: Request, sampled: list[int]) -> int:
         """How many of ``sampled`` (one token per verified position: 1 + its drafts) the
@@ -75,10 +86,12 @@ class Speculator:
             request.speculation.acceptance.observe(len(drafts), accepted)
         return accepted + 1
 
-    def _drafts(self, request: Request, decoding: int) -> list[int]:
+    def _query(self, request: Request, decoding: int) -> tuple[DraftQuery, int] | None:
+        """What to ask the drafter for the request, and how many of its tokens to verify
+        (0: a shadow proposal, see RequestSpeculation); None: nothing."""
         most = self._most_drafts(request)
         if most == 0:
-            return []
+            return None
         state = request.speculation
         if state is None:
             state = request.speculation = RequestSpeculation()
@@ -87,13 +100,10 @@ class Speculator:
             position, token = state.shadow
             state.acceptance.observe(1, int(tokens[position] == token))
             state.shadow = None
-        count = state.acceptance.draft_length(most, self.row_cost, decoding) if self.config.adaptive else most
-        proposal = self.drafter.propose(request, tokens, max(count, 1))
-        if count == 0:
-            if proposal:
-                state.shadow = (len(tokens), proposal[0])
-            return []
-        return proposal[:count]
+        count = most
+        if self.config.adaptive:
+            count = state.acceptance.draft_length(most, self.row_cost, decoding, self.drafter.token_cost)
+        return DraftQuery(request, tokens, max(count, 1)), count
 
     def _most_drafts(self, request: Request) -> int:
         """The most draft tokens the request may verify next step: its setting (or the
