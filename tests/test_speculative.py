@@ -15,7 +15,7 @@ import pytest
 
 from localserve import LLM, LocalserveError, SamplingParams
 from localserve.engine.speculative import SpeculativeConfig
-from localserve.engine.speculative.adaptive import Acceptance, expected_tokens
+from localserve.engine.speculative.adaptive import Acceptance, expected_tokens, shadow_interval
 from localserve.engine.speculative.drafter import PerRequestDrafter
 from localserve.engine.speculative.ngram import TokenHistory, propose
 
@@ -76,6 +76,11 @@ def test_the_draft_length_follows_the_acceptance() -> None:
     counted = Acceptance(rate=0.5)
     counted.observe(4, 2)
     assert math.isclose(counted.rate, 0.544)  # 0.5 -> 0.6 -> 0.68 -> 0.544, weight 0.2 each
+    # A draft model's steps count: the dearer its tokens, the fewer pay.
+    likely = Acceptance(rate=0.8)
+    assert [likely.draft_length(8, 0.2, token_cost=c) for c in (0.0, 0.1, 0.3, 0.5, 0.8)] == [4, 3, 2, 1, 0]
+    # A request not drafting checks a proposal every step when that is free, else seldom.
+    assert shadow_interval(0.0) == 1 and shadow_interval(0.3) == 6
 
 
 def test_options_are_checked() -> None:
@@ -364,6 +369,23 @@ def test_greedy_is_unchanged_with_a_draft_model(llama, tmp_path) -> None:  # typ
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert speculating.engine.stats().kv_blocks_used == 0
     assert speculating.engine.speculator.drafter.pool.num_used == 0  # type: ignore[attr-defined]
+
+
+def test_a_full_draft_pool_only_stops_drafting(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With too few draft blocks for every request, some draft and some do not: the same
+    tokens, and the pool empty at the end."""
+    from localserve.engine.kv_cache import BlockPool
+
+    path, hf = llama
+    options = dict(device="cpu", num_kv_blocks=256, block_size=4)
+    plain = LLM(path, **options)
+    speculating = LLM(path, speculative=draft_config(shallow_copy(hf, tmp_path / "d")), **options)
+    drafter = speculating.engine.speculator.drafter
+    drafter.pool = BlockPool(12)  # type: ignore[attr-defined]  # two of the prompts at most
+    prompts = [random_prompt(n, seed=n) for n in (17, 19, 21)]
+    assert_same(speculating.generate(prompts, greedy(16)), plain.generate(prompts, greedy(16)))
+    assert speculating.engine.speculator.stats.num_drafts > 0
+    assert drafter.pool.num_used == 0  # type: ignore[attr-defined]
 
 
 def test_a_draft_model_of_the_same_weights_drafts_what_the_model_decodes() -> None:

@@ -7,7 +7,8 @@ first feeds what the request gained since (its prompt the first time, in chunks 
 the step's token budget; then the tokens the last verification kept), which also yields
 the first draft token, then runs one decode step per further draft token. Cached K/V of
 drafts that were rejected are simply written over: the cache is only ever read up to the
-tokens the request shares with what was fed.
+tokens the request shares with what was fed. A request's blocks go when it ends, or when the
+pool runs short and it is not drafting (preempted, or resting while its drafts miss).
 
 Drafting greedily makes each proposal a function of the request's tokens, so the
 speculator's acceptance rule (speculator.py) keeps the output exact at any temperature.
@@ -66,9 +67,6 @@ class DraftModelDrafter:
         self.sequences: dict[str, DraftSequence] = {}
 
     def propose_all(self, queries: list[DraftQuery]) -> list[list[int]]:
-        asked = {query.request.request_id for query in queries}
-        for request_id in [r for r in self.sequences if r not in asked]:
-            self.release(request_id)  # preempted, or not drafting: a later catch-up refills it
         drafts: list[list[int]] = [[] for _ in queries]
         with using(self.kernels), torch.inference_mode():
             reaching, logits = self._catch_up(queries)
@@ -93,10 +91,13 @@ class DraftModelDrafter:
                 valid += 1
             valid = min(valid, length - 1)  # the last token is fed again: its logits give the first draft
             end = min(length, valid + budget)
-            if budget == 0 or not self._grow(sequence, length + query.count - 1):
-                if budget:  # no room in the pool: this request does not draft for now
-                    self.release(request_id)
+            if budget == 0:
                 continue
+            if not self._grow(sequence, length + query.count - 1):
+                # No room: the requests not drafting now (preempted, or resting) make way.
+                self._evict_except({q.request.request_id for q in queries})
+                if not self._grow(sequence, length + query.count - 1):
+                    continue  # this request does not draft for now
             budget -= end - valid
             del sequence.fed[valid:]
             sequence.fed.extend(tokens[valid:end].tolist())
@@ -146,6 +147,10 @@ class DraftModelDrafter:
             return False
         sequence.blocks.extend(self.pool.allocate(missing)[0])
         return True
+
+    def _evict_except(self, keep: set[str]) -> None:
+        for request_id in [r for r in self.sequences if r not in keep]:
+            self.release(request_id)  # a later catch-up refills it
 
     def release(self, request_id: str) -> None:
         sequence = self.sequences.pop(request_id, None)

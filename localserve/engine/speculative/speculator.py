@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .adaptive import DRAFT_ROW_COST
+from .adaptive import DRAFT_ROW_COST, shadow_interval
 from .config import SpeculativeConfig
 from .drafter import Drafter, DraftQuery
 from .ngram import NgramDrafter
@@ -103,6 +103,11 @@ class Speculator:
         count = most
         if self.config.adaptive:
             count = state.acceptance.draft_length(most, self.row_cost, decoding, self.drafter.token_cost)
+        if count == 0:
+            state.idle_steps += 1
+            if state.idle_steps < shadow_interval(self.drafter.token_cost):
+                return None
+        state.idle_steps = 0
         return DraftQuery(request, tokens, max(count, 1)), count
 
     def _most_drafts(self, request: Request) -> int:
