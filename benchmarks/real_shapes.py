@@ -456,13 +456,26 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
     if m.failed:
         log = (workdir / f"{system}.log").read_text(errors="replace")[-2000:]
         raise SystemExit(f"{system}: {m.failed} of {len(requests)} requests failed; its log ends:\n{log}")
+    acceptance = result.spec_decode.acceptance_rate if result.spec_decode else \
+        llama_server_acceptance((workdir / f"{system}.log").read_text(errors="replace"))
     tpot = m.latencies["tpot"].median if "tpot" in m.latencies else float("nan")
     ttft = m.latencies["ttft"].median
     value = tpot if workload in LOWER_IS_BETTER else m.output_throughput
     return Sample(system, workload, value, {"first_request_s": first_request_s,
                                             "output_tps": m.output_throughput, "tpot_ms": tpot, "rss": rss,
-                                            "failed": m.failed, "ttft_ms": ttft,
+                                            "failed": m.failed, "ttft_ms": ttft, "acceptance": acceptance,
                                             "prompt_tps": len(prompts[0]) / (ttft / 1000)})
+
+
+def llama_server_acceptance(log: str) -> float | None:
+    """The share of draft tokens llama-server accepted, over the requests its log reports
+    ("draft acceptance = 0.5 (  10 accepted /   20 generated)"); None: it drafted none."""
+    import re
+
+    pairs = [(int(a), int(g)) for a, g in re.findall(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated",
+                                                      log)]
+    generated = sum(g for _, g in pairs)
+    return sum(a for a, _ in pairs) / generated if generated else None
 
 
 def measure(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path) -> Sample:

@@ -189,14 +189,18 @@ def draft_pair(args: argparse.Namespace, k: int, workloads: list[str]) -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for workload in workloads:
             samples: dict[tuple[str, bool], list[float]] = {}
+            accepted: dict[tuple[str, bool], list[float]] = {}
             for repeat in range(args.repeats):
                 for case in (list(options) if repeat % 2 == 0 else list(options)[::-1]):
                     sample = real_shapes.served(case[0], target, workload, args, Path(workdir), options[case])
                     samples.setdefault(case, []).append(sample.value)
+                    if sample.extra.get("acceptance") is not None:
+                        accepted.setdefault(case, []).append(sample.extra["acceptance"])
             unit = "TPOT ms" if workload == "one" else "output tok/s"
             print(f"  {'one client' if workload == 'one' else workload + ' clients'} ({unit}):")
             for case, values in samples.items():
-                print(f"    {case[0]:>10} {'with draft' if case[1] else 'plain':>10}: {cell(values)}")
+                rate = f", drafts accepted {statistics.median(accepted[case]):.2f}" if case in accepted else ""
+                print(f"    {case[0]:>10} {'with draft' if case[1] else 'plain':>10}: {cell(values)}{rate}")
 
             def median(case: tuple[str, bool]) -> float:
                 return statistics.median(samples[case])

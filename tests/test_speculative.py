@@ -402,6 +402,8 @@ def test_a_draft_model_of_the_same_weights_drafts_what_the_model_decodes() -> No
         [fingerprint(o) for o in plain.generate(prompts, params)]
     stats = speculating.engine.speculator.stats
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+    # Where the next request's acceptance starts: the drafter's recent record.
+    assert speculating.engine.speculator.acceptance.rate > 0.9
 
 
 def test_sampling_with_a_draft_model_follows_the_target_distribution() -> None:

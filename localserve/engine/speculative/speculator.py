@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .adaptive import DRAFT_ROW_COST, shadow_interval
+from .adaptive import DRAFT_ROW_COST, Acceptance, shadow_interval
 from .config import SpeculativeConfig
 from .drafter import Drafter, DraftQuery
 from .ngram import NgramDrafter
@@ -27,6 +27,8 @@ from .state import RequestSpeculation
 
 if TYPE_CHECKING:
     from ..request import Request
+
+ALWAYS_KEPT = Acceptance(rate=1.0)
 
 
 @dataclass(slots=True)
@@ -45,10 +47,15 @@ class Speculator:
         self.max_model_len = max_model_len
         self.row_cost = DRAFT_ROW_COST.get(device_type, DRAFT_ROW_COST["cuda"])
         self.stats = SpeculationStats()
+        # Every request's outcomes: where a new request's acceptance starts (a draft model
+        # that has kept agreeing drafts from a request's first step).
+        self.acceptance = Acceptance()
+        self.steps = 0
         self.drafter: Drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
 
     def propose(self, running: list[Request]) -> None:
         """Set each running request's draft tokens for the next step ([] for most)."""
+        self.steps += 1
         decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
         queries, counts = [], []
         for request in running:
@@ -84,6 +91,7 @@ class Speculator:
             self.stats.num_accepted_tokens += accepted
             assert request.speculation is not None
             request.speculation.acceptance.observe(len(drafts), accepted)
+            self.acceptance.observe(len(drafts), accepted)
         return accepted + 1
 
     def _query(self, request: Request, decoding: int) -> tuple[DraftQuery, int] | None:
@@ -93,22 +101,27 @@ class Speculator:
         if most == 0:
             return None
         state = request.speculation
-        if state is None:
-            state = request.speculation = RequestSpeculation()
+        if state is None:  # a new request starts from the drafter's recent acceptance
+            state = request.speculation = RequestSpeculation(acceptance=Acceptance(self.acceptance.rate))
         tokens = state.history.sync(request.token_ids)
         if state.shadow is not None:
             position, token = state.shadow
-            state.acceptance.observe(1, int(tokens[position] == token))
+            outcome = int(tokens[position] == token)
+            state.acceptance.observe(1, outcome)
+            self.acceptance.observe(1, outcome)
             state.shadow = None
         count = most
         if self.config.adaptive:
             count = state.acceptance.draft_length(most, self.row_cost, decoding, self.drafter.token_cost)
-        if count == 0:
-            state.idle_steps += 1
-            if state.idle_steps < shadow_interval(self.drafter.token_cost):
-                return None
-        state.idle_steps = 0
+        if count == 0 and (self.steps % shadow_interval(self.drafter.token_cost)
+                           or not self._could_pay(most, decoding)):
+            return None  # shadow proposals of every request in the same steps: one draft batch
         return DraftQuery(request, tokens, max(count, 1)), count
+
+    def _could_pay(self, most: int, decoding: int) -> bool:
+        """Whether drafts that are always kept would pay in a step of ``decoding`` requests
+        (in a big batch they may not: then a shadow proposal could not change a thing)."""
+        return ALWAYS_KEPT.draft_length(most, self.row_cost, decoding, self.drafter.token_cost) > 0
 
     def _most_drafts(self, request: Request) -> int:
         """The most draft tokens the request may verify next step: its setting (or the

@@ -18,4 +18,3 @@ class RequestSpeculation:
     # checked against the token that came, so a request that stopped drafting learns
     # when drafting would pay again.
     shadow: tuple[int, int] | None = None
-    idle_steps: int = 0  # steps without drafts since the last shadow proposal
