@@ -91,6 +91,12 @@ def events(server: RunningServer, body: dict) -> list[tuple[str, dict]]:
     return found
 
 
+def draft_tokens_verified(server: RunningServer) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("localserve_spec_decode_num_draft_tokens_total"))
+
+
 # -- plain messages --------------------------------------------------------------------------------
 
 def test_a_message_is_the_chat_completions_reply(claude: anthropic.Anthropic, oai: openai.OpenAI) -> None:
@@ -454,3 +460,17 @@ def test_a_cut_short_input_is_read_as_the_sdk_reads_it() -> None:
         text = full[:end]
         assert object_so_far(text) == (from_json(text.encode(), partial_mode=True) if text else {}), text
     assert object_so_far("[1, 2]") == {} and object_so_far("not json") == {}
+
+
+def test_localserves_speculative_decoding_field_is_taken(claude: anthropic.Anthropic, server: RunningServer) -> None:
+    """``num_speculative_tokens`` in the body (extra_body): drafts verified, the same reply;
+    out of range, Anthropic's 400."""
+    ask = dict(model="stories", max_tokens=40, messages=[{"role": "user", "content": "Tell me a story."}])
+    plain = claude.messages.create(**ask, extra_body={**GREEDY, "num_speculative_tokens": 0})  # type: ignore[arg-type]
+    before = draft_tokens_verified(server)
+    drafted = claude.messages.create(**ask, extra_body={**GREEDY, "num_speculative_tokens": 4})  # type: ignore[arg-type]
+    assert drafted.content == plain.content
+    assert draft_tokens_verified(server) > before
+    with pytest.raises(anthropic.BadRequestError, match="num_speculative_tokens"):
+        claude.messages.create(**ask, extra_body={"num_speculative_tokens": 99})  # type: ignore[arg-type]
+
