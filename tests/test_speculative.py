@@ -240,6 +240,38 @@ def test_penalties_and_bias_see_the_drafts_before_each_position() -> None:
         assert fingerprint(ours) == fingerprint(expected)
 
 
+def test_structured_outputs_draft_what_their_grammar_allows() -> None:
+    """Requests held to a schema, a regex, choices or a grammar verify drafts too: the
+    grammar cuts each proposal where it stops allowing it, and each draft's position is
+    masked as the grammar stands after the drafts before it. Greedy gives what decoding
+    without drafts gives; sampled outputs match their format."""
+    from localserve import OutputFormat
+
+    from .conftest import STORIES_HF
+    from .test_structured_output import FORMATS
+
+    options = dict(device="cpu", num_kv_blocks=256)
+    plain, speculating = LLM(STORIES_HF, **options), LLM(STORIES_HF, speculative=ALWAYS, **options)
+    prompts = ["Once upon a time", "Tom had a red ball.", "The cat sat", "Lily"]
+    tokenizer = plain.engine.tokenizer
+    for output_format, check in FORMATS:
+        params = greedy(40, output_format=output_format)
+        expected = plain.generate(prompts, params)
+        speculating.engine.speculator.drafter = ScriptedDrafter(
+            {tuple(tokenizer.encode(p)): o.token_ids for p, o in zip(prompts, expected)}, 512)
+        before = speculating.engine.speculator.stats.num_accepted_tokens
+        assert [fingerprint(o) for o in speculating.generate(prompts, params)] == [fingerprint(o) for o in expected]
+        assert speculating.engine.speculator.stats.num_accepted_tokens > before, output_format
+        # Proposals the grammar forbids (the last token again and again) are cut, not verified.
+        speculating.engine.speculator.drafter = RepeatDrafter()
+        sampled = [SamplingParams(max_tokens=60, temperature=1.0, seed=seed, output_format=output_format)
+                   for seed in range(4)]
+        for output in speculating.generate(prompts, sampled):
+            check(output.text)
+    [free] = speculating.generate("Once upon a time", greedy(20, output_format=OutputFormat("json_object")))
+    assert free.text.startswith('{"')
+
+
 # -- sampling: the target's distribution --------------------------------------------------
 
 

@@ -204,8 +204,8 @@ class ModelRunner:
         # decode of that position would: its rows come one after another.
         row_requests = [(r, j) for r in inputs.to_sample for j in range(1 + len(r.draft_token_ids))]
         # Structured outputs' masks are worked out on another thread while the model runs.
-        # (Requests held to a grammar draft nothing: see Speculator._most_drafts.)
-        masks = self.structured.masks([r.active_constraint for r, _ in row_requests]) if self.structured else None
+        masks = self.structured.masks([(r.active_constraint, r.draft_token_ids) for r in inputs.to_sample]) \
+            if self.structured else None
         if bucket is not None:
             hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:

@@ -81,6 +81,11 @@ class Constraint:
         request was told to ignore, a stop token it did not expect)."""
         return self.matcher.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the start, the grammar allows next (draft tokens
+        are cut there before they are verified)."""
+        return self.matcher.validate_tokens(tokens)
+
     @property
     def finished(self) -> bool:
         """The grammar has ended: nothing but EOS could follow."""
@@ -114,24 +119,38 @@ class StructuredOutputs:
             raise LocalserveError(f"structured output {output_format.kind}: {matcher.get_error()}")
         return Constraint(matcher)
 
-    def masks(self, constraints: list[Constraint | None]) -> Future[tuple[list[int], torch.Tensor]] | None:
-        """Start computing the next-token masks of the constrained rows among
-        ``constraints`` (one per sampled row); None if there are none. The future gives
-        the row indices and their bitmasks, int32 ``[rows, ceil(vocab / 32)]``."""
-        rows = [i for i, c in enumerate(constraints) if c is not None]
-        if not rows:
+    def masks(self, requests: list[tuple[Constraint | None, list[int]]]) -> Future[tuple[list[int], torch.Tensor]] | None:
+        """Start computing the next-token masks of the constrained rows of a step whose
+        sampled requests are ``requests``: each one's constraint (None: free) and draft
+        tokens, its rows one per position it samples (1 + its drafts; the mask of a draft's
+        position is the grammar's after the drafts before it). None if no row is
+        constrained. The future gives the row indices and their bitmasks, int32
+        ``[rows, ceil(vocab / 32)]``."""
+        rows: list[int] = []
+        entries = []
+        first = 0
+        for constraint, drafts in requests:
+            if constraint is not None:
+                entries.append((constraint.matcher, len(rows), list(drafts)))
+                rows.extend(range(first, first + 1 + len(drafts)))
+            first += 1 + len(drafts)
+        if not entries:
             return None
-        matchers = [(constraints[i].matcher, j) for j, i in enumerate(rows)]  # type: ignore[union-attr]
-        return self._worker.submit(self._fill, rows, matchers)
+        return self._worker.submit(self._fill, rows, entries)
 
-    def _fill(self, rows: list[int], matchers: list) -> tuple[list[int], torch.Tensor]:  # type: ignore[type-arg]
+    def _fill(self, rows: list[int], entries: list) -> tuple[list[int], torch.Tensor]:  # type: ignore[type-arg]
         import llguidance  # not llguidance.torch: importing it sets up torch.compile
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=1)
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, len(rows))
+        plain = [(matcher, row) for matcher, row, drafts in entries if not drafts]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, len(rows))
+        drafted = [entry for entry in entries if entry[2]]
+        if drafted:  # each matcher steps through its drafts for their masks, and is rolled back
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), words * 4, len(rows))
         return rows, bitmask
 
 

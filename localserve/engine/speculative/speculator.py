@@ -71,7 +71,10 @@ class Speculator:
                 if proposal:
                     state.shadow = (query.tokens.shape[0], proposal[0])
             else:
-                query.request.draft_token_ids = proposal[:count]
+                drafts = proposal[:count]
+                if (constraint := query.request.active_constraint) is not None:
+                    drafts = drafts[:constraint.valid_prefix(drafts)]  # what the grammar allows
+                query.request.draft_token_ids = drafts
 
     def release(self, request: Request) -> None:
         if request.speculation is not None:
@@ -127,10 +130,12 @@ class Speculator:
         """The most draft tokens the request may verify next step: its setting (or the
         engine's), within its max_tokens and the context; 0 when it is not decoding (a
         prompt still being prefilled, an embedding) or held by what drafts cannot follow
-        yet: a structured output's grammar, a thinking budget, tokens to force."""
+        yet: a thinking budget, tokens to force, a structured output's grammar while the
+        request still thinks (its drafts could cross into the grammar's part)."""
         params = request.params
         wanted = self.config.num_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        if (wanted == 0 or request.pooling is not None or params.output_format is not None
+        grammar_waits = params.output_format is not None and request.active_constraint is None
+        if (wanted == 0 or request.pooling is not None or grammar_waits
                 or params.thinking_budget is not None or request.forced_token_ids
                 or request.num_computed_tokens != request.num_tokens - 1):
             return 0
