@@ -272,6 +272,24 @@ def test_structured_outputs_draft_what_their_grammar_allows() -> None:
     assert free.text.startswith('{"')
 
 
+def test_a_thinking_budget_ends_where_it_ends_without_drafts() -> None:
+    """A request thinking on a budget drafts up to the budget's end, then its closing
+    tokens are forced, then it drafts again: the tokens of decoding without drafts."""
+    options = dict(device="cpu", num_kv_blocks=256)
+    plain, speculating = LLM(STORIES_GGUF, **options), LLM(STORIES_GGUF, speculative=ALWAYS, **options)
+    end = tuple(plain.engine.tokenizer.encode("</think>", add_special_tokens=False))
+    prompts = ["Once upon a time", "Tom had a red ball.", "The cat sat"]
+    params = [greedy(40, thinking_budget=budget, thinking_end=end) for budget in (0, 6, 13)]
+    expected = plain.generate(prompts, params)
+    speculating.engine.speculator.drafter = ScriptedDrafter(
+        {tuple(plain.engine.tokenizer.encode(p)): o.token_ids for p, o in zip(prompts, expected)}, 512)
+    outputs = speculating.generate(prompts, params)
+    assert [fingerprint(o) for o in outputs] == [fingerprint(o) for o in expected]
+    # (The first token is the model's even at a budget of 0.)
+    assert all(list(end) == o.token_ids[b:b + len(end)] for o, b in zip(outputs, (1, 6, 13)))
+    assert speculating.engine.speculator.stats.num_accepted_tokens > 0
+
+
 # -- sampling: the target's distribution --------------------------------------------------
 
 

@@ -130,15 +130,18 @@ class Speculator:
         """The most draft tokens the request may verify next step: its setting (or the
         engine's), within its max_tokens and the context; 0 when it is not decoding (a
         prompt still being prefilled, an embedding) or held by what drafts cannot follow
-        yet: a thinking budget, tokens to force, a structured output's grammar while the
-        request still thinks (its drafts could cross into the grammar's part)."""
+        yet: tokens to force, a structured output's grammar while the request still thinks
+        (its drafts could cross into the grammar's part)."""
         params = request.params
         wanted = self.config.num_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
         grammar_waits = params.output_format is not None and request.active_constraint is None
-        if (wanted == 0 or request.pooling is not None or grammar_waits
-                or params.thinking_budget is not None or request.forced_token_ids
+        if (wanted == 0 or request.pooling is not None or grammar_waits or request.forced_token_ids
                 or request.num_computed_tokens != request.num_tokens - 1):
             return 0
-        # The step samples 1 + k tokens: no more than max_tokens and the context allow.
-        return max(0, min(wanted, params.max_tokens - request.num_output_tokens - 1,
-                          self.max_model_len - request.num_tokens))
+        # The step samples 1 + k tokens: no more than max_tokens and the context allow, and
+        # while the request thinks on a budget, no further than the budget's end (the
+        # tokens that close its thinking are then forced, not drafted).
+        limits = [wanted, params.max_tokens - request.num_output_tokens - 1, self.max_model_len - request.num_tokens]
+        if params.thinking_budget is not None and not request.thinking_closed:
+            limits.append(params.thinking_budget - request.num_output_tokens - 1)
+        return max(0, min(limits))
