@@ -421,6 +421,26 @@ def test_greedy_is_unchanged_with_a_draft_model(llama, tmp_path) -> None:  # typ
     assert speculating.engine.speculator.drafter.pool.num_used == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("cpu_blocks", [0, 64], ids=["recompute", "swap"])
+def test_a_draft_model_under_preemption_and_prefix_caching(llama, tmp_path, cpu_blocks: int) -> None:  # type: ignore[no-untyped-def]
+    """A pool too small for the batch (requests preempted: recomputed, or swapped to the CPU
+    tier), prompts sharing a prefix (cached blocks), prompts longer than a step: with a draft
+    model, the tokens of decoding without one, and both pools empty at the end."""
+    path, hf = llama
+    options = dict(device="cpu", num_kv_blocks=24, block_size=8, max_num_batched_tokens=32, num_cpu_blocks=cpu_blocks)
+    plain = LLM(path, **options)
+    speculating = LLM(path, speculative=draft_config(shallow_copy(hf, tmp_path / "d")), **options)
+    shared = random_prompt(24, seed=99)
+    prompts = [shared + random_prompt(n, seed=n) for n in (5, 9, 13, 30)] + [random_prompt(40, seed=7)]
+    params = greedy(30)
+    assert_same(speculating.generate(prompts, params), plain.generate(prompts, params))
+    stats = speculating.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert (stats.swap_out_blocks > 0) == (cpu_blocks > 0)
+    assert speculating.engine.speculator.stats.num_accepted_tokens > 0
+    assert stats.kv_blocks_used == 0 and speculating.engine.speculator.drafter.pool.num_used == 0  # type: ignore[attr-defined]
+
+
 def test_a_full_draft_pool_only_stops_drafting(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """With too few draft blocks for every request, some draft and some do not: the same
     tokens, and the pool empty at the end."""
