@@ -416,9 +416,10 @@ def time_first_request(url: str, prompt: str) -> float:
 
 
 def served(system: str, path: Path, workload: str, args: argparse.Namespace, workdir: Path,
-           extra: tuple[str, ...] = ()) -> Sample:
+           extra: tuple[str, ...] = (), own_prompts: list[list[int]] | None = None) -> Sample:
     """One server's run of ``workload``; ``extra``: options added to its command line (a
-    repeated option's last value wins)."""
+    repeated option's last value wins). Workload ``own``: ``own_prompts`` from one client,
+    64 tokens out each (TPOT)."""
     from localserve.bench import BenchConfig, arun_benchmark
     from localserve.bench.datasets import SampleRequest
     from localserve.bench.tokenizer import load_tokenizer
@@ -428,6 +429,9 @@ def served(system: str, path: Path, workload: str, args: argparse.Namespace, wor
     warmups = 1
     if workload == "one":
         clients, prompts, output = 1, prompt_ids(vocab, 4, 128, seed=3), 64
+    elif workload == "own":
+        assert own_prompts is not None
+        clients, prompts, output = 1, own_prompts, 64
     elif workload == "8k":
         # No warm-up copy: it would put the prompt in the prefix cache of both servers.
         clients, prompts, output, warmups = 1, prompt_ids(vocab, 1, 8000, seed=6), 64, 0
@@ -498,7 +502,7 @@ def measure(system: str, path: Path, workload: str, args: argparse.Namespace, wo
 
 # -- report -----------------------------------------------------------------------------------
 
-LOWER_IS_BETTER = {"one", "offline", "8k"}  # TPOT in ms
+LOWER_IS_BETTER = {"one", "own", "offline", "8k"}  # TPOT in ms
 UNITS = {"pp512": "prompt tok/s", "one": "TPOT ms", "offline": "TPOT ms", "16": "output tok/s", "32": "output tok/s",
          "prefix": "output tok/s", "pp8k": "prompt tok/s", "8k": "TPOT ms"}
 PROMPT_LENGTHS = {"pp512": 512, "pp8k": 8000}  # the offline prompt workloads

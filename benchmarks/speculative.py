@@ -17,6 +17,9 @@ lookup: prompt lookup (the ngram drafter, adaptive) where the answer copies its 
 prompt holds a text and the answer's start, and the model's greedy continuation of that text,
 recorded first, is the answer.
 
+lookup-served: prompt lookup against llama-server's (ngram-simple, its defaults), served,
+one client, on lookup's prompts.
+
 draft: a draft model against llama-server's speculative mode (-md), served, the same two
 files (the target and a draft made of its first two layers), the same k: one client's TPOT
 and 16 clients' output tokens/s, each server with and without its draft.
@@ -171,45 +174,69 @@ def lookup(llm, vocab: int, repeats: int) -> None:  # type: ignore[no-untyped-de
 def draft_pair(args: argparse.Namespace, k: int, workloads: list[str]) -> None:
     """A draft model against llama-server's, served, on the same two files: the target and
     its first two layers (real_shapes' llama-3.2-1b-draft), k draft tokens at most."""
-    import tempfile
-
     target = real_shapes.model_path(args.shape, args.type)
     draft = real_shapes.model_path(f"{args.shape}-draft", args.type)
     # Room for the draft's cache too: the two pools split --kv-cache-memory.
     per_token = real_shapes.kv_bytes_per_token(target) + real_shapes.kv_bytes_per_token(draft)
-    options = {
-        ("localserve", False): (),
-        ("localserve", True): ("--draft-model", str(draft), "--num-speculative-tokens", str(k),
-                               "--kv-cache-memory", str(32 * 512 * per_token)),
-        ("llama.cpp", False): (),
-        ("llama.cpp", True): ("-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
-                              "--spec-draft-n-min", "0", "-td", str(args.threads), "-tbd", str(args.threads)),
-    }
     print(f"\ndraft model {draft.name} for {target.name}, k {k}, served ({args.repeats} interleaved repeats)")
+    compare_served(args, target, workloads, None, (
+        "--draft-model", str(draft), "--num-speculative-tokens", str(k), "--kv-cache-memory", str(32 * 512 * per_token)),
+        ("-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+         "-td", str(args.threads), "-tbd", str(args.threads)))
+
+
+def lookup_served(args: argparse.Namespace, k: int) -> None:
+    """Prompt lookup (k draft tokens at most) against llama-server's (ngram-simple, its
+    defaults), served, one client, on lookup's copying prompts."""
+    from localserve import LLM, SamplingParams
+
+    target = real_shapes.model_path(args.shape, args.type)
+    vocab = real_shapes.SHAPES[args.shape].vocab
+    texts = real_shapes.prompt_ids(vocab, 4, PROMPT_TOKENS, seed=29)
+    llm = LLM(target, device="cpu", threads=args.threads, kv_cache_memory=1 << 30)
+    answers = [o.token_ids for o in llm.generate(texts, SamplingParams(temperature=0, max_tokens=OUTPUT_TOKENS,
+                                                                         ignore_eos=True))]
+    del llm  # one system at a time
+    prompts = [t + a + t[1:] for t, a in zip(texts, answers)]
+    print(f"\nprompt lookup, served, one client, {len(prompts)} prompts of {len(prompts[0])} tokens repeating "
+          f"their answer, k {k} ({args.repeats} interleaved repeats)")
+    # llama-server's own defaults (a 12-token lookup, up to 48 draft tokens): with a lookup
+    # of 4 and k draft tokens like ours it gained nothing here (0.97x).
+    compare_served(args, target, ["own"], prompts, ("--speculative", "ngram", "--num-speculative-tokens", str(k)),
+                   ("--spec-type", "ngram-simple"))
+
+
+def compare_served(args: argparse.Namespace, target: Path, workloads: list[str], prompts: list[list[int]] | None,
+                   ours: tuple[str, ...], theirs: tuple[str, ...]) -> None:
+    """Each server with and without its speculative options, interleaved; the figures,
+    drafting's gain in each, and ours over theirs with it."""
+    import tempfile
+
+    options = {("localserve", False): (), ("localserve", True): ours, ("llama.cpp", False): (),
+               ("llama.cpp", True): theirs}
     with tempfile.TemporaryDirectory() as workdir:
         for workload in workloads:
             samples: dict[tuple[str, bool], list[float]] = {}
             accepted: dict[tuple[str, bool], list[float]] = {}
             for repeat in range(args.repeats):
                 for case in (list(options) if repeat % 2 == 0 else list(options)[::-1]):
-                    sample = real_shapes.served(case[0], target, workload, args, Path(workdir), options[case])
+                    sample = real_shapes.served(case[0], target, workload, args, Path(workdir), options[case], prompts)
                     samples.setdefault(case, []).append(sample.value)
                     if sample.extra.get("acceptance") is not None:
                         accepted.setdefault(case, []).append(sample.extra["acceptance"])
-            unit = "TPOT ms" if workload == "one" else "output tok/s"
-            print(f"  {'one client' if workload == 'one' else workload + ' clients'} ({unit}):")
+            tpot = workload in real_shapes.LOWER_IS_BETTER
+            print(f"  {'one client' if tpot else workload + ' clients'} ({'TPOT ms' if tpot else 'output tok/s'}):")
             for case, values in samples.items():
                 rate = f", drafts accepted {statistics.median(accepted[case]):.2f}" if case in accepted else ""
-                print(f"    {case[0]:>10} {'with draft' if case[1] else 'plain':>10}: {cell(values)}{rate}")
+                print(f"    {case[0]:>10} {'drafting' if case[1] else 'plain':>10}: {cell(values)}{rate}")
 
-            def median(case: tuple[str, bool]) -> float:
-                return statistics.median(samples[case])
+            def gain(faster: tuple[str, bool], slower: tuple[str, bool]) -> float:
+                ratio = statistics.median(samples[faster]) / statistics.median(samples[slower])
+                return 1 / ratio if tpot else ratio
 
-            gain = (lambda a, b: b / a) if workload == "one" else (lambda a, b: a / b)
-            print(f"    drafting's gain: localserve {gain(median(('localserve', True)), median(('localserve', False))):.2f}x, "
-                  f"llama.cpp {gain(median(('llama.cpp', True)), median(('llama.cpp', False))):.2f}x; "
-                  f"localserve with draft over llama.cpp with draft: "
-                  f"{gain(median(('localserve', True)), median(('llama.cpp', True))):.2f}x")
+            print(f"    drafting's gain: localserve {gain(('localserve', True), ('localserve', False)):.2f}x, "
+                  f"llama.cpp {gain(('llama.cpp', True), ('llama.cpp', False)):.2f}x; localserve drafting over "
+                  f"llama.cpp drafting: {gain(('localserve', True), ('llama.cpp', True)):.2f}x")
 
 
 def main() -> None:
@@ -218,11 +245,11 @@ def main() -> None:
     parser.add_argument("--type", default="Q4_K_M")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--parts", nargs="+", default=["mechanics", "lookup", "draft"],
-                        choices=["mechanics", "lookup", "draft"])
+    parser.add_argument("--parts", nargs="+", default=["mechanics", "lookup", "lookup-served", "draft"],
+                        choices=["mechanics", "lookup", "lookup-served", "draft"])
     parser.add_argument("--draft-workloads", nargs="+", default=["one", "16"], choices=["one", "16"],
                         help="the draft pair's served workloads (real_shapes' one and 16)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="the draft pair's k")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="k of the served comparisons")
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 16], help="mechanics' client counts")
     args = parser.parse_args()
     from localserve import LLM, SpeculativeConfig
@@ -240,6 +267,8 @@ def main() -> None:
         if "lookup" in args.parts:
             lookup(llm, vocab, args.repeats)
         del llm  # one system at a time
+    if "lookup-served" in args.parts:
+        lookup_served(args, args.draft_tokens)
     if "draft" in args.parts:
         draft_pair(args, args.draft_tokens, args.draft_workloads)
 
