@@ -272,6 +272,28 @@ def test_structured_outputs_draft_what_their_grammar_allows() -> None:
     assert free.text.startswith('{"')
 
 
+def test_a_structured_output_after_thinking_drafts_while_thinking_too() -> None:
+    """A request that thinks before its grammar's part drafts while thinking, up to the
+    token that would close its thinking: the tokens of decoding without drafts. (The story
+    model's thinking is made to end where it writes " Lily", which it does by itself.)"""
+    from localserve import OutputFormat
+
+    from .conftest import STORIES_HF
+
+    options = dict(device="cpu", num_kv_blocks=256)
+    plain, speculating = LLM(STORIES_HF, **options), LLM(STORIES_HF, speculative=ALWAYS, **options)
+    tokenizer = plain.engine.tokenizer
+    end = tuple(tokenizer.encode(" named Lily", add_special_tokens=False)[-2:])
+    prompts = ["Once upon a time, there was a little girl", "Once upon a time, there was a girl"]
+    params = greedy(40, thinking_end=end, output_format=OutputFormat("regex", r" and [a-z]+ [a-z]+\."))
+    expected = plain.generate(prompts, params)
+    assert all(o.text.endswith(".") and " Lily and " in o.text for o in expected)  # thought, then the grammar
+    speculating.engine.speculator.drafter = ScriptedDrafter(
+        {tuple(tokenizer.encode(p)): o.token_ids for p, o in zip(prompts, expected)}, 512)
+    assert [fingerprint(o) for o in speculating.generate(prompts, params)] == [fingerprint(o) for o in expected]
+    assert speculating.engine.speculator.stats.num_accepted_tokens > 0
+
+
 def test_a_thinking_budget_ends_where_it_ends_without_drafts() -> None:
     """A request thinking on a budget drafts up to the budget's end, then its closing
     tokens are forced, then it drafts again: the tokens of decoding without drafts."""

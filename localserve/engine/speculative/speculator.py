@@ -71,10 +71,26 @@ class Speculator:
                 if proposal:
                     state.shadow = (query.tokens.shape[0], proposal[0])
             else:
-                drafts = proposal[:count]
-                if (constraint := query.request.active_constraint) is not None:
-                    drafts = drafts[:constraint.valid_prefix(drafts)]  # what the grammar allows
-                query.request.draft_token_ids = drafts
+                query.request.draft_token_ids = self._allowed(query.request, proposal[:count])
+
+    @staticmethod
+    def _allowed(request: Request, drafts: list[int]) -> list[int]:
+        """The drafts the request's structured output lets it verify: those its grammar
+        allows; while it still thinks before the grammar's part, those before the token
+        that would close its thinking (a position after it is the grammar's, which this
+        step's masks, taken while thinking, would not hold to it)."""
+        if (constraint := request.active_constraint) is not None:
+            return drafts[:constraint.valid_prefix(drafts)]
+        end = request.params.thinking_end
+        if request.params.output_format is None or not end:
+            return drafts
+        closing = list(end)
+        window = request.output_token_ids[-(len(closing) - 1):] if len(closing) > 1 else []
+        for index, token in enumerate(drafts):
+            window = (window + [token])[-len(closing):]
+            if window == closing:
+                return drafts[:index]
+        return drafts
 
     def release(self, request: Request) -> None:
         if request.speculation is not None:
@@ -130,12 +146,10 @@ class Speculator:
         """The most draft tokens the request may verify next step: its setting (or the
         engine's), within its max_tokens and the context; 0 when it is not decoding (a
         prompt still being prefilled, an embedding) or held by what drafts cannot follow
-        yet: tokens to force, a structured output's grammar while the request still thinks
-        (its drafts could cross into the grammar's part)."""
+        yet: tokens to force."""
         params = request.params
         wanted = self.config.num_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        grammar_waits = params.output_format is not None and request.active_constraint is None
-        if (wanted == 0 or request.pooling is not None or grammar_waits or request.forced_token_ids
+        if (wanted == 0 or request.pooling is not None or request.forced_token_ids
                 or request.num_computed_tokens != request.num_tokens - 1):
             return 0
         # The step samples 1 + k tokens: no more than max_tokens and the context allow, and
