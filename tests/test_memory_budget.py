@@ -129,3 +129,36 @@ def test_cpu_default_pool_is_sized_for_the_sequences_within_free_memory(monkeypa
     # Options that fix the pool are kept exactly, whatever the memory.
     assert pool(1 << 20, num_kv_blocks=300) == (300, 512)
     assert pool(1 << 20, kv_cache_memory=100 * 16 * per_token) == (100, 512)
+
+
+@pytest.mark.parametrize("options, share", [({}, 1), ({"kv_cache_memory": 64 << 20}, 2)])
+def test_a_draft_models_cache_shares_the_pools_budget(llama, options: dict, share: int,  # type: ignore[no-untyped-def]
+                                                      monkeypatch) -> None:
+    """With a draft model each block of the pool comes with one of the draft's, paid from
+    the same budget: a given kv_cache_memory holds fewer blocks, the CPU's default asks for
+    both pools' room for its sequences; the daemon's estimate and /api/ps count the draft's
+    weights and cache."""
+    from localserve.engine.speculative import SpeculativeConfig
+    from localserve.formats.weights import weight_sizes
+    from localserve.server.config import ServerConfig
+    from localserve.server.footprint import memory_footprint, needed_bytes
+
+    path, _ = llama
+    host_memory(monkeypatch, 16 * GiB)
+    plain = Engine(path, EngineConfig(**options), device="cpu")
+    config = EngineConfig(**options, speculative=SpeculativeConfig(method="draft_model", draft_model=str(path),
+                                                                    num_tokens=2))
+    engine = Engine(path, config, device="cpu")
+    assert engine.draft is not None
+    block = kv_bytes_per_block(engine.spec, config.block_size, engine.kv_dtype)
+    draft_block = engine.draft.block_bytes(config.block_size)
+    assert draft_block == block  # the model drafting for itself
+    assert engine.kv.device.num_blocks == plain.kv.device.num_blocks // share
+    assert engine.speculator.drafter.pool.num_blocks == engine.kv.device.num_blocks  # type: ignore[attr-defined]
+    weights = weight_sizes(engine.checkpoint, engine.dtype).loaded_bytes
+    footprint = memory_footprint(engine)
+    assert footprint["weights_bytes"] == 2 * weights
+    assert footprint["kv_cache_bytes"] == engine.kv.device.num_blocks * 2 * block
+    assert needed_bytes(path, ServerConfig(engine=config, device="cpu")) == \
+        footprint["weights_bytes"] + footprint["kv_cache_bytes"]
+

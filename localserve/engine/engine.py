@@ -93,7 +93,7 @@ class Engine:
             check_weights_fit(weight_sizes(checkpoint, self.dtype), self.config, spec.num_layers, self.device)
         progress.step("loading weights", total=len(layout(spec).shapes))
         self.model = load_model(checkpoint, self.config, self.device, self.dtype, self.kernels, context, progress)
-        draft = self._load_draft_model(context, progress)
+        self.draft = draft = self._load_draft_model(context, progress)
         progress.step("sizing the KV cache")
         with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(

@@ -20,15 +20,20 @@ if TYPE_CHECKING:
 
 def memory_footprint(engine: Engine) -> dict[str, int | str]:
     """Bytes the loaded ``engine`` holds: weights on its device and in host memory
-    (cpu_moe experts), and its KV cache tiers."""
+    (cpu_moe experts), and its KV cache tiers; a draft model's weights and cache with the
+    device's."""
     weights = weight_sizes(engine.checkpoint, engine.dtype)
     host_weights = weights.host_expert_bytes(engine.config.cpu_moe_layers(engine.spec.num_layers))
     block_bytes = kv_bytes_per_block(engine.spec, engine.config.block_size, engine.kv_dtype)
+    draft_weights = draft_block_bytes = 0
+    if engine.draft is not None:
+        draft_weights = weight_sizes(engine.draft.checkpoint, engine.dtype).loaded_bytes
+        draft_block_bytes = engine.draft.block_bytes(engine.config.block_size)
     return {
         "device": str(engine.device),
-        "weights_bytes": weights.loaded_bytes - host_weights,
+        "weights_bytes": weights.loaded_bytes - host_weights + draft_weights,
         "host_weights_bytes": host_weights,
-        "kv_cache_bytes": engine.kv.device.num_blocks * block_bytes,
+        "kv_cache_bytes": engine.kv.device.num_blocks * (block_bytes + draft_block_bytes),
         "cpu_kv_cache_bytes": engine.kv.cpu.num_blocks * block_bytes,
     }
 
@@ -48,5 +53,15 @@ def needed_bytes(path: Path, config: ServerConfig) -> int | None:
     dtype = pick_dtype(config.dtype, checkpoint.spec.torch_dtype, torch.device("cpu"))
     weights = weight_sizes(checkpoint, dtype).loaded_bytes
     kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"), checkpoint.quantized_gguf)
-    pools = pool_sizes(engine, checkpoint.spec, kv_dtype, "cpu", gpu_budget=lambda: 0)
-    return weights + pools.total_bytes
+    draft_block_bytes = 0
+    if engine.speculative.draft_model is not None:  # its weights, and its blocks beside the pool's
+        try:
+            draft = open_checkpoint(engine.speculative.draft_model)
+        except LocalserveError:
+            return None
+        weights += weight_sizes(draft, dtype).loaded_bytes
+        draft_block_bytes = kv_bytes_per_block(draft.spec, engine.block_size, engine.resolve_kv_cache_dtype(
+            dtype, torch.device("cpu"), draft.quantized_gguf))
+    pools = pool_sizes(engine, checkpoint.spec, kv_dtype, "cpu", gpu_budget=lambda: 0,
+                       companion_block_bytes=draft_block_bytes)
+    return weights + pools.total_bytes + pools.device_blocks * draft_block_bytes
