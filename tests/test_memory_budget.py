@@ -139,6 +139,7 @@ def test_a_draft_models_cache_shares_the_pools_budget(llama, options: dict, shar
     both pools' room for its sequences; the daemon's estimate and /api/ps count the draft's
     weights and cache."""
     from localserve.engine.speculative import SpeculativeConfig
+    from localserve.facts.fit import plan
     from localserve.formats.weights import weight_sizes
     from localserve.server.config import ServerConfig
     from localserve.server.footprint import memory_footprint, needed_bytes
@@ -161,4 +162,6 @@ def test_a_draft_models_cache_shares_the_pools_budget(llama, options: dict, shar
     assert footprint["kv_cache_bytes"] == engine.kv.device.num_blocks * 2 * block
     assert needed_bytes(path, ServerConfig(engine=config, device="cpu")) == \
         footprint["weights_bytes"] + footprint["kv_cache_bytes"]
+    fit = plan(path, None, config)  # `localserve fit` plans the same pools
+    assert fit.kv_blocks == engine.kv.device.num_blocks and fit.draft_weight_bytes == weights
 

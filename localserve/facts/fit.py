@@ -21,6 +21,7 @@ import torch
 from ..engine import memory
 from ..engine.config import EngineConfig
 from ..engine.engine import pick_dtype
+from ..engine.kv_cache import kv_bytes_per_block
 from ..engine.memory import (CUDA_OVERHEAD_ESTIMATE, context_limit, cuda_graph_bytes, estimate_activation_peak,
                              planned_context, pool_sizes)
 from ..formats import ModelSpec, open_checkpoint
@@ -53,6 +54,8 @@ class FitPlan:
     cpu_blocks: int
     cpu_moe_layers: int  # leading layers whose experts stay in host memory
     host_expert_bytes: int  # their loaded bytes
+    draft_weight_bytes: int = 0  # a draft model's (speculative decoding), beside the model's
+    draft_kv_bytes_per_token: int = 0  # its cache, one block beside each of the pool's
 
     @property
     def gpu_weight_bytes(self) -> int:
@@ -124,6 +127,8 @@ class FitPlan:
             "largest_context": self.largest_context,
             "cpu_blocks": self.cpu_blocks,
             "cpu_sequences": self.cpu_sequences,
+            "draft_weights_bytes": self.draft_weight_bytes,
+            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
         }
 
 
@@ -153,9 +158,16 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
         host = memory.available_host_memory()
         total, source, usable, overhead, cpu_moe_layers = host.available, host.source, host.available, 0, 0
     host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)
+    draft_weights = draft_block_bytes = 0
+    if config.speculative.draft_model is not None:
+        draft = open_checkpoint(config.speculative.draft_model)
+        draft_weights = weight_sizes(draft, model_dtype).loaded_bytes
+        draft_block_bytes = kv_bytes_per_block(draft.spec, config.block_size, config.resolve_kv_cache_dtype(
+            model_dtype, torch.device("cpu") if device == "cpu" else None, draft.quantized_gguf))
     # What the memory has left once the weights, activations and CUDA are in (may be negative).
-    room = usable - (weights.loaded_bytes - host_expert_bytes) - activations - overhead
-    pools = pool_sizes(config, spec, kv_dtype, device, lambda: room, host_free=lambda: room)
+    room = usable - (weights.loaded_bytes - host_expert_bytes) - draft_weights - activations - overhead
+    pools = pool_sizes(config, spec, kv_dtype, device, lambda: room, host_free=lambda: room,
+                       companion_block_bytes=draft_block_bytes)
     return FitPlan(
         spec=spec, weights=weights, dtype=model_dtype, kv_dtype=kv_dtype,
         kv_bytes_per_token=pools.block_bytes // config.block_size, block_size=config.block_size, context=context,
@@ -163,6 +175,7 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
         memory=total, memory_source=source, usable=usable, activation_bytes=activations, overhead_bytes=overhead,
         room=room, kv_budget=pools.device_budget, kv_reason=pools.reason, kv_blocks=pools.device_blocks,
         cpu_blocks=pools.cpu_blocks, cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
+        draft_weight_bytes=draft_weights, draft_kv_bytes_per_token=draft_block_bytes // config.block_size,
     )
 
 
@@ -193,6 +206,10 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
         lines.append(("host memory", f"{human_bytes(plan.memory)} available ({plan.memory_source}; no GPU): "
                                      f"weights {human_bytes(plan.gpu_weight_bytes)}, activations "
                                      f"~{human_bytes(plan.activation_bytes)}, KV cache {kv_cache} ({plan.kv_reason})"))
+    if plan.draft_weight_bytes:
+        lines.append(("draft model", f"{human_bytes(plan.draft_weight_bytes)} of weights; its KV cache "
+                                     f"{human_bytes(plan.draft_kv_bytes_per_token)} per token, beside the model's "
+                                     f"in the same budget"))
     if plan.cpu_moe_layers and spec.num_experts:
         lines.append(("host memory", f"{human_bytes(plan.host_expert_bytes)} of experts (cpu_moe: layers "
                                      f"0-{plan.cpu_moe_layers - 1} of {spec.num_layers}) run on the CPU"))
