@@ -25,7 +25,7 @@ import torch
 
 from localserve import Engine, EngineConfig, SamplingParams
 from localserve.engine import cuda_graphs, runner
-from localserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, why_eager
+from localserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, verify_lengths, why_eager
 from localserve.engine.request import Request
 from localserve.engine.runner import prepare_inputs, warmup_token_counts
 from localserve.engine.scheduler import ScheduledBatch
@@ -177,6 +177,54 @@ def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypat
     assert any(pad is None for _, pad in padded)
 
 
+def test_one_sequence_verifying_drafts_replays_its_length() -> None:
+    lengths = verify_lengths(4)
+    assert lengths == [2, 3, 4, 5] and verify_lengths(0) == []
+    sizes = capture_sizes(8)
+    assert padded_size([3], sizes, lengths) == 1 and padded_size([5], sizes, lengths) == 1
+    assert padded_size([6], sizes, lengths) is None  # more drafts than the engine's default
+    assert padded_size([3, 3], sizes, lengths) is None  # several sequences with drafts: eager
+    assert padded_size([1, 1, 1], sizes, lengths) == 4
+
+
+def test_replayed_verification_steps_equal_eager_steps(llama, triton_on_cpu) -> None:  # type: ignore[no-untyped-def]
+    """One request at a time verifying 1 to 4 draft tokens a step (prompt lookup on a prompt
+    that repeats itself, and adaptive lengths), through the verification graphs: the
+    tokens and logprobs of the eager engine with the same drafts."""
+    from localserve.engine.speculative import SpeculativeConfig
+
+    path, _ = llama
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=48, max_num_batched_tokens=32,
+                          speculative=SpeculativeConfig(num_tokens=4, adaptive=False))
+
+    def run(engine: Engine) -> list[tuple[list[int], list[float]]]:
+        outputs = []
+        for seed in range(3):
+            prompt = random_prompt(6, seed=seed) * 3  # a repeating prompt: lookup finds drafts
+            engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs.append((out.token_ids, [entry.logprob for entry in out.logprobs]))
+        return outputs
+
+    eager_engine = Engine(path, config, device="cpu")
+    eager = run(eager_engine)
+    engine = Engine(path, config, device="cpu")
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, capture_sizes(4), engine.max_model_len,
+                          config.block_size, engine.device, replayed_capture, verify_lengths(4))
+    with using(engine.kernels), torch.inference_mode():
+        graphs.capture()
+    engine.runner.graphs = graphs
+    replayed = run(engine)
+    for (tokens, logprobs), (ours, our_logprobs) in zip(eager, replayed):
+        assert ours == tokens
+        assert our_logprobs == pytest.approx(logprobs, abs=1e-4)
+    assert sorted(graphs.verify_graphs) == [2, 3, 4, 5]
+    assert sum(graphs.verify_replays.values()) > 0 and sum(graphs.replays.values()) > 0
+    assert engine.speculator.stats.num_drafts == eager_engine.speculator.stats.num_drafts > 0
+
+
 # -- the capture on a faked card ---------------------------------------------------------
 
 
@@ -225,6 +273,26 @@ def test_capture_at_load_reserves_its_memory_and_replays(tiny_models, caplog) ->
     reserve = (eager.kv.device.num_blocks - engine.kv.device.num_blocks) * block_bytes
     assert kept <= reserve + block_bytes
     assert reserve <= 2 * kept + block_bytes
+
+
+def test_verification_graphs_are_captured_at_load_and_replayed(tiny_models, caplog) -> None:  # type: ignore[no-untyped-def]
+    """With speculative decoding on, the engine also captures one sequence's verification
+    steps, under the capture's checks, and a request drafting alone replays them."""
+    from localserve.engine.speculative import SpeculativeConfig
+
+    path = tiny_models.get("llama", torch.bfloat16)[0]
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_utilization=0.05,
+                          speculative=SpeculativeConfig(num_tokens=2, adaptive=False))
+    with fake_gpu(RTX_4090), caplog.at_level(logging.INFO, logger="localserve"):
+        engine = Engine(path, config, device="cuda:0")
+        graphs = engine.runner.graphs
+        assert graphs is not None and sorted(graphs.verify_graphs) == [2, 3]
+        engine.add_request(random_prompt(5, seed=1) * 4, SamplingParams(max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert "and for one sequence verifying 1 to 2 draft tokens" in caplog.text
+    assert engine.speculator.stats.num_drafts > 0
+    assert sum(graphs.verify_replays.values()) == engine.speculator.stats.num_drafts
 
 
 def test_why_an_engine_runs_eagerly() -> None:

@@ -24,7 +24,7 @@ from ..formats.spec import ModelSpec
 from ..formats.weights import WeightSizes
 from ..units import human_bytes
 from .config import EngineConfig
-from .cuda_graphs import StaticInputs, capture_sizes, why_eager
+from .cuda_graphs import StaticInputs, capture_sizes, verify_lengths, why_eager
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from .runner import scratch_prefill
 
@@ -188,8 +188,9 @@ def cuda_graph_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, 
     if why_eager(config, spec.num_layers):
         return 0
     sizes = capture_sizes(config.max_num_seqs)
-    rows = sizes[-1]
-    outputs = sum(sizes) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
+    lengths = verify_lengths(config.speculative.num_tokens)
+    rows = max(sizes + lengths)
+    outputs = (sum(sizes) + sum(lengths)) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
     static_inputs = StaticInputs.nbytes(rows, -(-context // config.block_size))
     return estimate_activation_peak(spec, rows, 0, dtype) + outputs + static_inputs
 
