@@ -2,7 +2,8 @@
 them with the other ``gpu``-marked tests, the Triton kernels' own):
 
 - decode steps captured as CUDA graphs at load and replayed give the tokens and logprobs of
-  the same engine run eagerly, and transformers' greedy tokens;
+  the same engine run eagerly, and transformers' greedy tokens; so do one sequence's steps
+  verifying draft tokens (speculative decoding's graphs);
 - the sampler on the device draws in proportion to the filtered distribution at a real
   vocabulary, seeded rows repeat, greedy is the argmax.
 """
@@ -41,6 +42,28 @@ def test_replayed_cuda_graphs_equal_eager_steps_and_transformers(llama) -> None:
         assert replayed[request_id][0] == tokens, request_id
         assert replayed[request_id][1] == pytest.approx(logprobs, abs=1e-3), request_id
         assert tokens == hf_greedy(hf, random_prompt(length, seed=int(request_id)), max_tokens), request_id
+
+
+def test_verification_graphs_equal_eager_steps(llama) -> None:  # type: ignore[no-untyped-def]
+    """Requests one at a time with prompt lookup drafting every step: the verification
+    graphs replayed, the greedy tokens of decoding without drafts and of transformers."""
+    from localserve.engine.speculative import SpeculativeConfig
+
+    path, hf = llama
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=48, max_num_batched_tokens=32,
+                          speculative=SpeculativeConfig(num_tokens=4, adaptive=False))
+    engine = Engine(path, config, device="cuda", dtype=torch.float32)
+    assert engine.runner.graphs is not None and sorted(engine.runner.graphs.verify_graphs) == [2, 3, 4, 5]
+    for seed in range(3):
+        prompt = random_prompt(6, seed=seed) * 3  # repeats itself: prompt lookup finds drafts
+        engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        tokens = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = out.token_ids if out.finished else tokens
+        assert tokens == hf_greedy(hf, prompt, 12), seed
+    assert sum(engine.runner.graphs.verify_replays.values()) > 0
+    assert engine.speculator.stats.num_drafts > 0
 
 
 def sampling_rows(count: int, seed: int | None = None, **params: object) -> list[SamplingRow]:
