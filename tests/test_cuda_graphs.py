@@ -295,6 +295,28 @@ def test_verification_graphs_are_captured_at_load_and_replayed(tiny_models, capl
     assert sum(graphs.verify_replays.values()) == engine.speculator.stats.num_drafts
 
 
+def test_a_draft_model_on_a_fake_card_warms_up_at_load_and_drafts(tiny_models, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a GPU the draft model's kernels are compiled at load too (its catch-up sizes and
+    its one-token steps), under the card's rules, and it drafts on the device."""
+    from localserve.engine.speculative import SpeculativeConfig, draft_model
+
+    path = tiny_models.get("llama", torch.bfloat16)[0]
+    warmed: list[list[int]] = []
+    real = draft_model.warm_up_model
+    monkeypatch.setattr(draft_model, "warm_up_model", lambda *args: warmed.append(args[-1]) or real(*args))
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, gpu_memory_utilization=0.05,
+                          speculative=SpeculativeConfig(method="draft_model", draft_model=str(path), num_tokens=2,
+                                                        adaptive=False))
+    with fake_gpu(RTX_4090):
+        engine = Engine(path, config, device="cuda:0")
+        assert warmed and warmed[0][0] == 1 and warmed[0][-1] == 64
+        engine.add_request(random_prompt(9, seed=3), SamplingParams(max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.speculator.stats.num_accepted_tokens > 0  # the model drafting for itself
+    assert engine.drafter is not None and engine.drafter.pool.num_used == 0
+
+
 def test_why_an_engine_runs_eagerly() -> None:
     assert why_eager(EngineConfig(), num_layers=4) is None
     assert why_eager(EngineConfig(disable_cuda_graphs=True), num_layers=4) == "disable_cuda_graphs is set"

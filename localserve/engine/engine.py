@@ -119,13 +119,13 @@ class Engine:
         self.transfer = KVTransfer(kv_caches, cpu_caches)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, self.kernels)
+        self.drafter = draft.drafter(num_blocks, block_size, self.device, self.kernels,
+                                     self.config.step_tokens(self.device.type)) if draft else None
+        self.speculator = Speculator(self.config.speculative, self.max_model_len, self.device.type, self.drafter)
         if self.device.type == "cuda":
             progress.step("warming up")
             self._warm_up()
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-        drafter = draft.drafter(num_blocks, block_size, self.device, self.kernels,
-                                self.config.step_tokens(self.device.type)) if draft else None
-        self.speculator = Speculator(self.config.speculative, self.max_model_len, self.device.type, drafter)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(spec.eos_token_ids) | (
@@ -152,7 +152,10 @@ class Engine:
         """Compile the kernels of prefill steps and capture the decode steps' CUDA graphs,
         so the first request waits for neither."""
         start = time.monotonic()
-        self.runner.warm_up(warmup_token_counts(min(self.config.step_tokens("cuda"), self.max_model_len)))
+        token_counts = warmup_token_counts(min(self.config.step_tokens("cuda"), self.max_model_len))
+        self.runner.warm_up(token_counts)
+        if self.drafter is not None:
+            self.drafter.warm_up(token_counts)
         reason = cuda_graphs.why_eager(self.config, self.spec.num_layers)
         if reason:
             log.info("CUDA graphs are off: %s; decode steps run eagerly", reason)

@@ -155,6 +155,16 @@ def scratch_prefill(num_tokens: int, block_table: list[int], block_size: int, de
     return prepare_inputs(batch, block_size, device)
 
 
+def warm_up_model(model: torch.nn.Module, kv_caches: list[KVCache], block_size: int, device: torch.device,
+            kernels: KernelChoice, token_counts: list[int]) -> None:
+    """Run a one-sequence step of each size, so the kernels they need are compiled before
+    the first request. Its keys land in block 0, free at load."""
+    with using(kernels), torch.inference_mode():
+        for num_tokens in token_counts:
+            inputs = scratch_prefill(num_tokens, [0] * -(-num_tokens // block_size), block_size, device)
+            model(inputs.input_ids, inputs.positions, kv_caches, inputs.meta)
+
+
 def warmup_token_counts(step_tokens: int) -> list[int]:
     """Step sizes whose forwards compile the Triton kernel variants steps need: the
     quantized GEMMs tile rows by 16, 32 or 64 as the step grows, and Triton compiles a
@@ -182,13 +192,7 @@ class ModelRunner:
         self.structured: StructuredOutputs | None = None  # set by the engine when the model has a tokenizer
 
     def warm_up(self, token_counts: list[int]) -> None:
-        """Run a one-sequence step of each size, so the kernels they need are compiled
-        before the first request. Its keys land in block 0, free at load."""
-        with using(self.kernels), torch.inference_mode():
-            for num_tokens in token_counts:
-                inputs = scratch_prefill(num_tokens, [0] * -(-num_tokens // self.block_size), self.block_size,
-                                         self.device)
-                self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        warm_up_model(self.model, self.kv_caches, self.block_size, self.device, self.kernels, token_counts)
 
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         """Run one step: the model over the batch, then one logits pass for the rows that

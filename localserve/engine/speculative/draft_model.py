@@ -32,7 +32,7 @@ from ...text.tokenizer import Tokenizer
 from ..config import EngineConfig
 from ..kv_cache import BlockPool, allocate_kv_tensors, kv_bytes_per_block
 from ..loading import load_model
-from ..runner import Span, attention_metadata, host_tensor
+from ..runner import Span, attention_metadata, host_tensor, warm_up_model
 from ..stats import LoadProgress
 from .drafter import DraftQuery
 
@@ -65,6 +65,12 @@ class DraftModelDrafter:
         self.token_cost = token_cost  # a draft token's cost, as a share of one served decode step
         self.step_tokens = step_tokens  # tokens fed in one step at most (a prompt is caught up in chunks)
         self.sequences: dict[str, DraftSequence] = {}
+
+    def warm_up(self, token_counts: list[int]) -> None:
+        """Compile the kernels of the draft's steps before the first request (on a GPU):
+        its catch-up sizes, and its one-token decode steps."""
+        warm_up_model(self.model, self.kv_caches, self.block_size, self.device, self.kernels,
+                      sorted({1, *token_counts}))
 
     def propose_all(self, queries: list[DraftQuery]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in queries]
