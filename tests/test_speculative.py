@@ -480,6 +480,30 @@ def test_a_full_draft_pool_only_stops_drafting(llama, tmp_path) -> None:  # type
     assert drafter.pool.num_used == 0  # type: ignore[attr-defined]
 
 
+def test_a_request_on_a_draft_model_engine_can_ask_for_prompt_lookup(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """speculative_method per request: "ngram" drafts by prompt lookup on an engine with a
+    draft model (whose cache it leaves alone), the others use the draft model."""
+    path, hf = llama
+    options = dict(device="cpu", num_kv_blocks=256)
+    plain = LLM(path, **options)
+    speculating = LLM(path, speculative=draft_config(shallow_copy(hf, tmp_path / "d")), **options)
+    drafter = speculating.engine.speculator.drafter
+    prompt = random_prompt(7, seed=5) * 4  # repeats itself: lookup finds drafts
+    [expected] = plain.generate(prompt, greedy(20))
+    engine = speculating.engine
+    engine.add_request(prompt, greedy(20, speculative_method="ngram"), request_id="lookup")
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert not drafter.sequences  # type: ignore[attr-defined]  # the draft model never asked
+    assert engine.speculator.stats.num_accepted_tokens > 0
+    [ours] = speculating.generate(prompt, greedy(20, speculative_method="ngram"))
+    assert fingerprint(ours) == fingerprint(expected)
+    [drafted] = speculating.generate(prompt, greedy(20))  # the engine's: the draft model
+    assert fingerprint(drafted) == fingerprint(expected)
+    with pytest.raises(LocalserveError, match="speculative_method"):
+        SamplingParams(speculative_method="medusa")
+
+
 def test_a_draft_model_of_the_same_weights_drafts_what_the_model_decodes() -> None:
     """The trained model's HF conversion drafting for its GGUF: the same tokenizer checked,
     nearly every draft kept, the text unchanged."""
@@ -574,6 +598,15 @@ def test_a_request_asks_for_drafts_through_the_openai_sdk(tmp_path) -> None:  # 
         with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
             client.completions.create(model="stories", prompt=prompt, max_tokens=4,
                                       extra_body={"num_speculative_tokens": 17})
+        lookup = client.completions.create(model="stories", prompt=prompt, max_tokens=40, temperature=0, extra_body={
+            "num_speculative_tokens": 4, "speculative_method": "ngram"}).choices[0].text
+        assert lookup == texts[0]
+        with pytest.raises(openai.BadRequestError, match="served without a draft model"):
+            client.completions.create(model="stories", prompt=prompt, max_tokens=4,
+                                      extra_body={"num_speculative_tokens": 4, "speculative_method": "draft_model"})
+        with pytest.raises(openai.BadRequestError, match="speculative_method"):
+            client.completions.create(model="stories", prompt=prompt, max_tokens=4,
+                                      extra_body={"speculative_method": "medusa"})
         # Ollama's API takes it among the options (the official client passes them through).
         import ollama
 

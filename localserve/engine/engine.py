@@ -205,6 +205,9 @@ class Engine:
             raise LocalserveError("the prompt is empty")
         if max(prompt_ids) >= self.spec.vocab_size or min(prompt_ids) < 0:
             raise LocalserveError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if params.speculative_method == "draft_model" and self.drafter is None:
+            raise LocalserveError("speculative_method draft_model: this model is served without a draft model "
+                                  "(--draft-model); ngram needs none")
         if params.logit_bias and max(params.logit_bias) >= self.spec.vocab_size:
             raise LocalserveError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
         if pooling is not None and len(prompt_ids) > self.max_model_len:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import LocalserveError
-from .speculative.config import MAX_DRAFT_TOKENS
+from .speculative.config import MAX_DRAFT_TOKENS, METHODS
 from .structured_output import OutputFormat
 
 
@@ -38,8 +38,11 @@ class SamplingParams:
     thinking_end: tuple[int, ...] = ()
     thinking_budget: int | None = None
     # Speculative decoding: the most draft tokens this request verifies a step (0: none);
-    # None follows the engine's setting (EngineConfig.speculative).
+    # None follows the engine's setting (EngineConfig.speculative). ``speculative_method``:
+    # which drafter ("ngram", always there; "draft_model" where the engine has one); None:
+    # the engine's.
     num_speculative_tokens: int | None = None
+    speculative_method: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,8 @@ class SamplingParams:
              "logit_bias values must be in [-100, 100]"),
             (self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS,
              f"num_speculative_tokens must be in [0, {MAX_DRAFT_TOKENS}]"),
+            (self.speculative_method is None or self.speculative_method in METHODS,
+             f"speculative_method must be one of {', '.join(METHODS)}"),
             (self.thinking_budget is None or (self.thinking_budget >= 0 and len(self.thinking_end) > 0),
              "thinking_budget must be >= 0 and come with the tokens that end the thinking"),
         ]

@@ -28,7 +28,8 @@ MAX_TOOLS = 256
 # that steer a reply, keep_alive and template variables.
 EXTENSIONS = ("seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
               "min_tokens", "ignore_eos", "keep_alive", "chat_template_kwargs", "structured_outputs",
-              "guided_json", "guided_regex", "guided_choice", "guided_grammar", "num_speculative_tokens")
+              "guided_json", "guided_regex", "guided_choice", "guided_grammar", "num_speculative_tokens",
+              "speculative_method")
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 Id = Annotated[str, Field(min_length=1, max_length=512)]

@@ -83,6 +83,7 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
         logit_bias={int(token): bias for token, bias in (body.logit_bias or {}).items()},
         output_format=body.output_format(),
         num_speculative_tokens=field("num_speculative_tokens", None),
+        speculative_method=body.speculative_method,
     )
     return SamplingParams(**{**fields, **extra})
 

@@ -121,6 +121,8 @@ class SamplingFields(_Strict):
     # localserve's own: speculative decoding's draft tokens a step for this request (0: none;
     # absent: the server's --num-speculative-tokens)
     num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = None
+    # and which drafter: prompt lookup, or the server's --draft-model (absent: the server's)
+    speculative_method: Literal["ngram", "draft_model"] | None = None
     keep_alive: KeepAlive = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None

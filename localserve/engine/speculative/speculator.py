@@ -42,29 +42,42 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, device_type: str = "cpu",
                  drafter: Drafter | None = None) -> None:
         """``drafter``: the draft model's (draft_model.py), else the config's method's own
-        (a test or benchmark may put a drafter of its own on ``self.drafter``)."""
+        (a test or benchmark may put a drafter of its own on ``self.drafter``). Prompt
+        lookup is always there too, for requests that ask for it."""
         self.config = config
         self.max_model_len = max_model_len
         self.row_cost = DRAFT_ROW_COST.get(device_type, DRAFT_ROW_COST["cuda"])
         self.stats = SpeculationStats()
+        self.lookup = NgramDrafter(config.ngram_min, config.ngram_max)
         # Every request's outcomes: where a new request's acceptance starts (a draft model
         # that has kept agreeing drafts from a request's first step).
         self.acceptance = Acceptance()
         self.steps = 0
-        self.drafter: Drafter = drafter or NgramDrafter(config.ngram_min, config.ngram_max)
+        self.drafter: Drafter = drafter or self.lookup
 
     def propose(self, running: list[Request]) -> None:
         """Set each running request's draft tokens for the next step ([] for most)."""
         self.steps += 1
         decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
-        queries, counts = [], []
+        asked: dict[int, tuple[Drafter, list[DraftQuery], list[int]]] = {}  # by drafter
         for request in running:
             request.draft_token_ids = []
-            query = self._query(request, decoding)
+            drafter = self.drafter_of(request)
+            query = self._query(request, decoding, drafter)
             if query is not None:
+                _, queries, counts = asked.setdefault(id(drafter), (drafter, [], []))
                 queries.append(query[0])
                 counts.append(query[1])
-        for query, count, proposal in zip(queries, counts, self.drafter.propose_all(queries)):
+        for drafter, queries, counts in asked.values():
+            self._take(queries, counts, drafter.propose_all(queries))
+
+    def drafter_of(self, request: Request) -> Drafter:
+        """The drafter the request asked for (prompt lookup, or the engine's), else the engine's."""
+        method = request.params.speculative_method
+        return self.lookup if method == "ngram" and self.config.method != "ngram" else self.drafter
+
+    def _take(self, queries: list[DraftQuery], counts: list[int], proposals: list[list[int]]) -> None:
+        for query, count, proposal in zip(queries, counts, proposals):
             state = query.request.speculation
             assert state is not None
             if count == 0:  # not drafting: the proposal is only checked against what comes
@@ -94,7 +107,7 @@ class Speculator:
 
     def release(self, request: Request) -> None:
         if request.speculation is not None:
-            self.drafter.release(request.request_id)
+            self.drafter_of(request).release(request.request_id)
 
     def accept(self, request: Request, sampled: list[int]) -> int:
         """How many of ``sampled`` (one token per verified position: 1 + its drafts) the
@@ -113,7 +126,7 @@ class Speculator:
             self.acceptance.observe(len(drafts), accepted)
         return accepted + 1
 
-    def _query(self, request: Request, decoding: int) -> tuple[DraftQuery, int] | None:
+    def _query(self, request: Request, decoding: int, drafter: Drafter) -> tuple[DraftQuery, int] | None:
         """What to ask the drafter for the request, and how many of its tokens to verify
         (0: a shadow proposal, see RequestSpeculation); None: nothing."""
         most = self._most_drafts(request)
@@ -131,16 +144,16 @@ class Speculator:
             state.shadow = None
         count = most
         if self.config.adaptive:
-            count = state.acceptance.draft_length(most, self.row_cost, decoding, self.drafter.token_cost)
-        if count == 0 and (self.steps % shadow_interval(self.drafter.token_cost)
-                           or not self._could_pay(most, decoding)):
+            count = state.acceptance.draft_length(most, self.row_cost, decoding, drafter.token_cost)
+        if count == 0 and (self.steps % shadow_interval(drafter.token_cost)
+                           or not self._could_pay(most, decoding, drafter.token_cost)):
             return None  # shadow proposals of every request in the same steps: one draft batch
         return DraftQuery(request, tokens, max(count, 1)), count
 
-    def _could_pay(self, most: int, decoding: int) -> bool:
+    def _could_pay(self, most: int, decoding: int, token_cost: float) -> bool:
         """Whether drafts that are always kept would pay in a step of ``decoding`` requests
         (in a big batch they may not: then a shadow proposal could not change a thing)."""
-        return ALWAYS_KEPT.draft_length(most, self.row_cost, decoding, self.drafter.token_cost) > 0
+        return ALWAYS_KEPT.draft_length(most, self.row_cost, decoding, token_cost) > 0
 
     def _most_drafts(self, request: Request) -> int:
         """The most draft tokens the request may verify next step: its setting (or the
