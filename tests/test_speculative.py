@@ -15,7 +15,7 @@ import pytest
 
 from localserve import LLM, LocalserveError, SamplingParams
 from localserve.engine.speculative import SpeculativeConfig
-from localserve.engine.speculative.adaptive import Acceptance, expected_tokens, shadow_interval
+from localserve.engine.speculative.adaptive import Acceptance, expected_tokens
 from localserve.engine.speculative.drafter import PerRequestDrafter
 from localserve.engine.speculative.ngram import TokenHistory, propose
 
@@ -79,8 +79,6 @@ def test_the_draft_length_follows_the_acceptance() -> None:
     # A draft model's steps count: the dearer its tokens, the fewer pay.
     likely = Acceptance(rate=0.8)
     assert [likely.draft_length(8, 0.2, token_cost=c) for c in (0.0, 0.1, 0.3, 0.5, 0.8)] == [4, 3, 2, 1, 0]
-    # A request not drafting checks a proposal every step when that is free, else seldom.
-    assert shadow_interval(0.0) == 1 and shadow_interval(0.3) == 6
 
 
 def test_options_are_checked() -> None:
@@ -90,6 +88,47 @@ def test_options_are_checked() -> None:
         SpeculativeConfig(method="medusa")
     with pytest.raises(LocalserveError, match="n-gram"):
         SpeculativeConfig(ngram_min=3, ngram_max=2)
+
+
+def test_shadow_proposals_of_a_draft_model_take_a_small_share_of_the_time(monkeypatch) -> None:
+    """Requests not drafting have a token proposed to check, unverified: every step by
+    prompt lookup (free), by a draft model only while those proposals have taken at most
+    5% of the time (one that took 1 s is followed by none for 20 s)."""
+    from localserve.engine.request import Request
+    from localserve.engine.speculative import speculator as module
+    from localserve.engine.speculative.speculator import Speculator
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+
+    class SlowDrafter(PerRequestDrafter):
+        token_cost = 0.2
+        calls = 0
+
+        def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+            SlowDrafter.calls += 1
+            clock[0] += 1.0  # a catch-up on a long prompt
+            return [0] * count
+
+    def missing_request() -> Request:
+        request = Request("r", [5, 6, 7] * 3, SamplingParams(max_tokens=50), frozenset())  # lookup finds 5 6 7
+        request.num_computed_tokens = request.num_tokens - 1
+        return request
+
+    # The slow one at 0, 20 and 40 s (each step a second, each of its proposals another).
+    for drafter, expected_calls in ((SlowDrafter(), 3), (None, 41)):
+        speculator = Speculator(SpeculativeConfig(num_tokens=4), max_model_len=100, drafter=drafter)
+        speculator.acceptance = Acceptance(rate=0.0)  # drafts have missed: requests draft none
+        request = missing_request()
+        SlowDrafter.calls = 0
+        shadows = 0
+        for _ in range(41):  # a step a second
+            speculator.propose([request])
+            assert request.draft_token_ids == []
+            shadows += request.speculation.shadow is not None  # type: ignore[union-attr]
+            request.speculation.shadow = None  # type: ignore[union-attr]
+            clock[0] += 1.0
+        assert (SlowDrafter.calls if drafter else shadows) == expected_calls
 
 
 # -- exactness in the engine ------------------------------------------------------------

@@ -14,7 +14,6 @@ enough that rows cost what they yield, drafting stops unless nearly every draft 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 # c above: a verified row's share of a plain decode step, by device. On the CPU the int8
@@ -30,14 +29,8 @@ SMOOTHING = 0.2
 PRIOR_RATE = 0.5
 # A request that drafts none still has one token proposed, unverified, to learn when drafting
 # would pay again: every step where that is free (prompt lookup), and where it costs a draft
-# model's step, seldom enough that it costs at most this share of the steps.
+# model's steps (and a catch-up on the request's tokens), no more of the engine's time than this.
 SHADOW_SHARE = 0.05
-
-
-def shadow_interval(token_cost: float) -> int:
-    """Steps between the shadow proposals of a request not drafting, for a drafter whose
-    token costs ``token_cost`` of a step."""
-    return max(1, math.ceil(token_cost / SHADOW_SHARE))
 
 
 def expected_tokens(rate: float, draft_tokens: int) -> float:

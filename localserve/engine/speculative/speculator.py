@@ -16,10 +16,11 @@ distribution that is all on d, so the output follows the target's distribution.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .adaptive import DRAFT_ROW_COST, Acceptance, shadow_interval
+from .adaptive import DRAFT_ROW_COST, SHADOW_SHARE, Acceptance
 from .config import SpeculativeConfig
 from .drafter import Drafter, DraftQuery
 from .ngram import NgramDrafter
@@ -52,12 +53,16 @@ class Speculator:
         # Every request's outcomes: where a new request's acceptance starts (a draft model
         # that has kept agreeing drafts from a request's first step).
         self.acceptance = Acceptance()
-        self.steps = 0
+        # Seconds of shadow proposals not yet paid for by SHADOW_SHARE of the time since.
+        self.shadow_debt = 0.0
+        self.last_step = time.monotonic()
         self.drafter: Drafter = drafter or self.lookup
 
     def propose(self, running: list[Request]) -> None:
         """Set each running request's draft tokens for the next step ([] for most)."""
-        self.steps += 1
+        now = time.monotonic()
+        self.shadow_debt = max(0.0, self.shadow_debt - SHADOW_SHARE * (now - self.last_step))
+        self.last_step = now
         decoding = sum(1 for r in running if r.num_computed_tokens == r.num_tokens - 1)
         asked: dict[int, tuple[Drafter, list[DraftQuery], list[int]]] = {}  # by drafter
         for request in running:
@@ -69,7 +74,10 @@ class Speculator:
                 queries.append(query[0])
                 counts.append(query[1])
         for drafter, queries, counts in asked.values():
+            start = time.monotonic()
             self._take(queries, counts, drafter.propose_all(queries))
+            if drafter.token_cost and not any(counts):  # shadow proposals alone: their time is owed
+                self.shadow_debt += time.monotonic() - start
 
     def drafter_of(self, request: Request) -> Drafter:
         """The drafter the request asked for (prompt lookup, or the engine's), else the engine's."""
@@ -145,7 +153,7 @@ class Speculator:
         count = most
         if self.config.adaptive:
             count = state.acceptance.draft_length(most, self.row_cost, decoding, drafter.token_cost)
-        if count == 0 and (self.steps % shadow_interval(drafter.token_cost)
+        if count == 0 and ((drafter.token_cost and self.shadow_debt > 0)
                            or not self._could_pay(most, decoding, drafter.token_cost)):
             return None  # shadow proposals of every request in the same steps: one draft batch
         return DraftQuery(request, tokens, max(count, 1)), count
