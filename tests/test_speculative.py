@@ -17,7 +17,8 @@ from localserve import LLM, LocalserveError, SamplingParams
 from localserve.engine.speculative import SpeculativeConfig
 from localserve.engine.speculative.adaptive import Acceptance, expected_tokens
 from localserve.engine.speculative.drafter import PerRequestDrafter
-from localserve.engine.speculative.ngram import TokenHistory, propose
+from localserve.engine.speculative.ngram import propose
+from localserve.engine.speculative.state import TokenHistory
 
 from .conftest import DATA, MODEL_KINDS, random_prompt
 

@@ -3,7 +3,7 @@
 The proposal for a sequence ending in tokens ``s`` (its last n) is what followed the
 latest earlier occurrence of ``s``, longest n first. The search is a vectorized compare
 over the sequence (a few microseconds for thousands of tokens), against a copy of the
-token ids kept per request and grown by the tokens that are new since the last step.
+token ids kept per request (state.TokenHistory).
 """
 
 from __future__ import annotations
@@ -11,27 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from .drafter import PerRequestDrafter
-
-
-class TokenHistory:
-    """A request's token ids as a growing int64 array (amortized doubling)."""
-
-    def __init__(self) -> None:
-        self._buffer = np.empty(256, dtype=np.int64)
-        self.length = 0
-
-    def sync(self, token_ids: list[int]) -> np.ndarray:
-        """The array of ``token_ids``, of which the first ``length`` are already held (a
-        request's tokens only ever grow)."""
-        new = len(token_ids)
-        if new > self._buffer.shape[0]:
-            grown = np.empty(max(new, 2 * self._buffer.shape[0]), dtype=np.int64)
-            grown[: self.length] = self._buffer[: self.length]
-            self._buffer = grown
-        if new > self.length:
-            self._buffer[self.length : new] = token_ids[self.length :]
-        self.length = new
-        return self._buffer[:new]
 
 
 class NgramDrafter(PerRequestDrafter):
