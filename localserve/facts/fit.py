@@ -21,7 +21,7 @@ import torch
 from ..engine import memory
 from ..engine.config import EngineConfig
 from ..engine.engine import pick_dtype
-from ..engine.kv_cache import kv_bytes_per_block
+from ..engine.speculative.draft_model import planned_sizes
 from ..engine.memory import (CUDA_OVERHEAD_ESTIMATE, context_limit, cuda_graph_bytes, estimate_activation_peak,
                              planned_context, pool_sizes)
 from ..formats import ModelSpec, open_checkpoint
@@ -158,12 +158,8 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
         host = memory.available_host_memory()
         total, source, usable, overhead, cpu_moe_layers = host.available, host.source, host.available, 0, 0
     host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)
-    draft_weights = draft_block_bytes = 0
-    if config.speculative.draft_model is not None:
-        draft = open_checkpoint(config.speculative.draft_model)
-        draft_weights = weight_sizes(draft, model_dtype).loaded_bytes
-        draft_block_bytes = kv_bytes_per_block(draft.spec, config.block_size, config.resolve_kv_cache_dtype(
-            model_dtype, torch.device("cpu") if device == "cpu" else None, draft.quantized_gguf))
+    draft_weights, draft_block_bytes = planned_sizes(config, model_dtype,
+                                                     torch.device("cpu") if device == "cpu" else None)
     # What the memory has left once the weights, activations and CUDA are in (may be negative).
     room = usable - (weights.loaded_bytes - host_expert_bytes) - draft_weights - activations - overhead
     pools = pool_sizes(config, spec, kv_dtype, device, lambda: room, host_free=lambda: room,

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..engine.engine import pick_device, pick_dtype
 from ..engine.kv_cache import kv_bytes_per_block
 from ..engine.memory import pool_sizes
+from ..engine.speculative.draft_model import planned_sizes
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..formats.weights import weight_sizes
@@ -53,15 +54,11 @@ def needed_bytes(path: Path, config: ServerConfig) -> int | None:
     dtype = pick_dtype(config.dtype, checkpoint.spec.torch_dtype, torch.device("cpu"))
     weights = weight_sizes(checkpoint, dtype).loaded_bytes
     kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"), checkpoint.quantized_gguf)
-    draft_block_bytes = 0
-    if engine.speculative.draft_model is not None:  # its weights, and its blocks beside the pool's
-        try:
-            draft = open_checkpoint(engine.speculative.draft_model)
-        except LocalserveError:
-            return None
-        weights += weight_sizes(draft, dtype).loaded_bytes
-        draft_block_bytes = kv_bytes_per_block(draft.spec, engine.block_size, engine.resolve_kv_cache_dtype(
-            dtype, torch.device("cpu"), draft.quantized_gguf))
+    try:  # a draft model: its weights, and its blocks beside the pool's
+        draft_weights, draft_block_bytes = planned_sizes(engine, dtype, torch.device("cpu"))
+    except LocalserveError:
+        return None
+    weights += draft_weights
     pools = pool_sizes(engine, checkpoint.spec, kv_dtype, "cpu", gpu_budget=lambda: 0,
                        companion_block_bytes=draft_block_bytes)
     return weights + pools.total_bytes + pools.device_blocks * draft_block_bytes

@@ -207,6 +207,17 @@ def load_draft_model(path: str | Path, target: Checkpoint, target_tokenizer: Tok
     return DraftModel(model, checkpoint, kv_dtype, min(spec.vocab_size, target.spec.vocab_size), token_cost)
 
 
+def planned_sizes(config: EngineConfig, dtype: torch.dtype, device: torch.device | None) -> tuple[int, int]:
+    """The loaded weight bytes and the KV bytes per block of ``config``'s draft model, from
+    its metadata, for a plan before any load (``fit``, the daemon's estimate; ``device``
+    None: a GPU planned for); (0, 0) without one."""
+    if config.speculative.draft_model is None:
+        return 0, 0
+    draft = open_checkpoint(config.speculative.draft_model)
+    kv_dtype = config.resolve_kv_cache_dtype(dtype, device, draft.quantized_gguf)
+    return weight_sizes(draft, dtype).loaded_bytes, kv_bytes_per_block(draft.spec, config.block_size, kv_dtype)
+
+
 def check_vocabulary(path: str | Path, draft: Checkpoint, target: Checkpoint, target_tokenizer: Tokenizer | None) -> None:
     """The draft's token ids must mean the served model's: the same tokens below the
     smaller of the two sizes, which differ by at most VOCAB_SIZE_SLACK."""
