@@ -89,16 +89,16 @@ class DraftModelDrafter:
         budget = self.step_tokens
         spans, input_ids, positions, rows, reaching = [], [], [], [], []
         for index, query in enumerate(queries):
-            request_id, tokens = query.request.request_id, query.tokens
+            if budget == 0:
+                break  # the rest catch up in later steps
+            tokens = query.tokens
             length = tokens.shape[0]
-            sequence = self.sequences.setdefault(request_id, DraftSequence())
+            sequence = self.sequences.setdefault(query.request.request_id, DraftSequence())
             valid = sequence.confirmed  # then the fed drafts the request has kept
             while valid < min(len(sequence.fed), length - 1) and sequence.fed[valid] == tokens[valid]:
                 valid += 1
             valid = min(valid, length - 1)  # the last token is fed again: its logits give the first draft
             end = min(length, valid + budget)
-            if budget == 0:
-                continue
             if not self._grow(sequence, length + query.count - 1):
                 # No room: the requests not drafting now (preempted, or resting) make way.
                 self._evict_except({q.request.request_id for q in queries})

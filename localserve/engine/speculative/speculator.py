@@ -130,9 +130,14 @@ class Speculator:
             self.stats.num_draft_tokens += len(drafts)
             self.stats.num_accepted_tokens += accepted
             assert request.speculation is not None
-            request.speculation.acceptance.observe(len(drafts), accepted)
-            self.acceptance.observe(len(drafts), accepted)
+            self._observe(request.speculation, len(drafts), accepted)
         return accepted + 1
+
+    def _observe(self, state: RequestSpeculation, proposed: int, accepted: int) -> None:
+        """An outcome for the request's acceptance and for the drafter's (where new
+        requests start from)."""
+        state.acceptance.observe(proposed, accepted)
+        self.acceptance.observe(proposed, accepted)
 
     def _query(self, request: Request, decoding: int, drafter: Drafter) -> tuple[DraftQuery, int] | None:
         """What to ask the drafter for the request, and how many of its tokens to verify
@@ -146,9 +151,7 @@ class Speculator:
         tokens = state.history.sync(request.token_ids)
         if state.shadow is not None:
             position, token = state.shadow
-            outcome = int(tokens[position] == token)
-            state.acceptance.observe(1, outcome)
-            self.acceptance.observe(1, outcome)
+            self._observe(state, 1, int(tokens[position] == token))
             state.shadow = None
         count = most
         if self.config.adaptive:
