@@ -94,7 +94,8 @@ CASES = [
 GGUF_CASES = [*itertools.product([2, 4, 5, 6, 8], [(16, 256), (32, 256), (32, 32)], ["zeros", "mins"]),
               (4, (32, 256), "codebook"), (4, (32, 32), "codebook"), (4, (16, 256), "eighths"),
               (4, (32, 256), "eighths")]
-ROW_COUNTS = (1, 2, 3, 5, 16, 64)
+# Row blocks of the int8 kernel: one to five rows alone, fours then a last block (9 = 4 + 5).
+ROW_COUNTS = (1, 2, 3, 5, 9, 16, 64)
 
 
 def test_the_best_library_for_this_cpu_is_loaded() -> None:
@@ -156,7 +157,7 @@ def test_int8_kernel_equals_reference_on_rounded_x(bits: int, blocks: tuple[int,
 @pytest.mark.parametrize("bits,blocks,form", GGUF_CASES)
 def test_int8_kernel_is_batch_invariant(bits: int, blocks: tuple[int, int], form: str) -> None:
     """Each row's result is the same bits alone and among 1..63 other rows (every tile
-    shape: blocks of four rows, two, one; tile pairs and a last odd tile)."""
+    shape: blocks of one to five rows; tile pairs and a last odd tile)."""
     weight = make_gguf_like(bits, blocks[0], form, blocks[1])
     tiled = tile(weight)
     x = torch.randn(max(ROW_COUNTS), weight.in_features)
@@ -223,9 +224,11 @@ def test_other_built_variants_compute_the_same_sums() -> None:
             rounded = quantize_activations(x, blocks[1])
             magnitude = rounded.abs() @ dequantize(weight).abs().T
             assert ((out - quant_linear_ref(rounded, weight)).abs() <= 1e-5 * magnitude).all(), name
-            one = torch.empty(1, weight.out_features)
-            lib.ls_int8_matmul(ctypes.byref(tiled.desc), x[3:4].contiguous().data_ptr(), 1, one.data_ptr())
-            assert torch.equal(one, out[3:4]), name
+            for start, rows in [(3, 1), (4, 3), (7, 5)]:  # blocks of one, three and five rows
+                some = torch.empty(rows, weight.out_features)
+                lib.ls_int8_matmul(ctypes.byref(tiled.desc), x[start:start + rows].contiguous().data_ptr(), rows,
+                                   some.data_ptr())
+                assert torch.equal(some, out[start:start + rows]), name
 
 
 def test_only_gguf_style_weights_are_tiled() -> None:
