@@ -25,7 +25,8 @@ import torch
 
 from localserve import Engine, EngineConfig, SamplingParams
 from localserve.engine import cuda_graphs, runner
-from localserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size, verify_lengths, why_eager
+from localserve.engine.cuda_graphs import (DecodeGraphs, GraphShape, capture_sizes, describe, graph_shapes, padded_shape,
+                                          why_eager)
 from localserve.engine.request import Request
 from localserve.engine.runner import prepare_inputs, warmup_token_counts
 from localserve.engine.scheduler import ScheduledBatch
@@ -44,12 +45,13 @@ def test_capture_sizes_are_vllms_buckets_up_to_max_num_seqs() -> None:
 
 
 def test_a_decode_batch_takes_the_smallest_bucket_that_holds_it() -> None:
-    sizes = capture_sizes(20)
-    assert [padded_size([1] * n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20)] == [
-        1, 2, 4, 4, 8, 8, 16, 16, 20, 20]
-    assert padded_size([1] * 21, sizes) is None  # more sequences than the largest bucket
-    assert padded_size([1, 1, 7], sizes) is None  # a prefill chunk in the step
-    assert padded_size([], sizes) is None
+    shapes = graph_shapes(20)
+    assert shapes == [GraphShape(size, size, 1) for size in capture_sizes(20)]
+    assert [padded_shape([1] * n, shapes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20)] == [
+        GraphShape(size, size, 1) for size in (1, 2, 4, 4, 8, 8, 16, 16, 20, 20)]
+    assert padded_shape([1] * 21, shapes) is None  # more sequences than the largest bucket
+    assert padded_shape([1, 1, 7], shapes) is None  # a prefill chunk in the step
+    assert padded_shape([], shapes) is None
 
 
 def test_warm_up_sizes_cover_each_tile_and_divisibility_class() -> None:
@@ -69,7 +71,7 @@ def test_padding_rows_write_no_slot_and_read_one_key() -> None:
     batch = ScheduledBatch()
     batch.add(_decode_request("a", 5, [7]), 1)
     batch.add(_decode_request("b", 20, [2, 9]), 1)
-    inputs = prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=4)
+    inputs = prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=GraphShape(4, 4, 1))
     meta = inputs.meta
     assert inputs.input_ids.tolist() == [7, 22, 0, 0]
     assert inputs.positions.tolist() == [4, 19, 0, 0]
@@ -86,13 +88,13 @@ def test_padding_rows_write_no_slot_and_read_one_key() -> None:
     assert unpadded.logits_rows is None  # every row samples, in order: the hidden states as they are
 
     with pytest.raises(ValueError, match="cannot pad"):
-        prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=1)
+        prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=GraphShape(1, 1, 1))
     prefill = ScheduledBatch()
     request = _decode_request("c", 10, [1])
     request.num_computed_tokens = 0
     prefill.add(request, 10)
     with pytest.raises(ValueError, match="cannot pad"):
-        prepare_inputs(prefill, block_size=16, device=torch.device("cpu"), pad_to=2)
+        prepare_inputs(prefill, block_size=16, device=torch.device("cpu"), pad_to=GraphShape(2, 2, 1))
 
 
 # -- graph semantics with real numbers, on the CPU ---------------------------------------
@@ -130,6 +132,7 @@ ARRIVALS = [(5, 9, 0), (11, 14, 0), (17, 12, 1), (3, 10, 2), (24, 5, 16), (8, 7,
 
 
 def run_greedy(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
+    """ARRIVALS' requests, greedy: each one's tokens and logprobs."""
     results: dict[str, tuple[list[int], list[float]]] = {}
     for step in range(200):
         for i, (length, max_tokens, arrival) in enumerate(ARRIVALS):
@@ -150,16 +153,16 @@ def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypat
     eager = run_greedy(Engine(path, config, device="cpu"))
 
     engine = Engine(path, config, device="cpu")
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, capture_sizes(4), engine.max_model_len,
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, graph_shapes(4), engine.max_model_len,
                           config.block_size, engine.device, replayed_capture)
     with using(engine.kernels), torch.inference_mode():
         graphs.capture()
     engine.runner.graphs = graphs
-    padded: Counter[tuple[int, int | None]] = Counter()
+    padded: Counter[tuple[int, int | None]] = Counter()  # (sequences, the bucket's)
     real_prepare = runner.prepare_inputs
 
     def spy(batch, block_size, device, pad_to=None):  # type: ignore[no-untyped-def]
-        padded[len(batch.requests), pad_to] += 1
+        padded[len(batch.requests), pad_to and pad_to.sequences] += 1
         return real_prepare(batch, block_size, device, pad_to)
 
     monkeypatch.setattr(runner, "prepare_inputs", spy)
@@ -172,19 +175,62 @@ def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypat
         assert replayed[request_id][0] == tokens, request_id
         assert replayed[request_id][1] == pytest.approx(logprobs, abs=1e-4), request_id
     # Every bucket replayed, a 3-sequence batch in the 4 bucket, and the prefills ran eagerly.
-    assert set(graphs.replays) == {1, 2, 4}
+    assert {shape.sequences for shape in graphs.replays} == {1, 2, 4}
     assert padded[3, 4] > 0 and padded[4, 4] > 0 and padded[1, 1] > 0
     assert any(pad is None for _, pad in padded)
 
 
-def test_one_sequence_verifying_drafts_replays_its_length() -> None:
-    lengths = verify_lengths(4)
-    assert lengths == [2, 3, 4, 5] and verify_lengths(0) == []
-    sizes = capture_sizes(8)
-    assert padded_size([3], sizes, lengths) == 1 and padded_size([5], sizes, lengths) == 1
-    assert padded_size([6], sizes, lengths) is None  # more drafts than the engine's default
-    assert padded_size([3, 3], sizes, lengths) is None  # several sequences with drafts: eager
-    assert padded_size([1, 1, 1], sizes, lengths) == 4
+def test_verifying_drafts_takes_a_verification_shape() -> None:
+    shapes = graph_shapes(8, 4)
+    verify = [shape for shape in shapes if shape.kind == "verify"]
+    assert verify == [GraphShape(1, length, length) for length in (2, 3, 4, 5)]
+    batches = [shape for shape in shapes if shape.kind == "verify batch"]
+    assert batches == [GraphShape(2 * b, 6 * b, 5) for b in (2, 4, 8)]
+    assert graph_shapes(8, 0) == graph_shapes(8)
+    # One sequence: its own length, no padding; several: any lengths up to 1 + K, and
+    # each batch the smallest shape that takes it.
+    assert padded_shape([3], shapes) == GraphShape(1, 3, 3) and padded_shape([5], shapes) == GraphShape(1, 5, 5)
+    assert padded_shape([6], shapes) is None  # more drafts than the engine's default
+    assert padded_shape([3, 3], shapes) == padded_shape([5, 1], shapes) == GraphShape(4, 12, 5)
+    assert padded_shape([1, 1, 1], shapes) == GraphShape(4, 4, 1)  # no drafts: the decode bucket
+    assert padded_shape([5] * 8, shapes) == GraphShape(16, 48, 5)
+    assert padded_shape([2] * 9, shapes) == GraphShape(16, 48, 5)  # more than b, where the rows leave room
+    assert padded_shape([5] * 9, shapes) is None and padded_shape([1] * 9, shapes) is None
+    assert len(graph_shapes(256, 4)) == len(capture_sizes(256)) + 4 + 6  # verify batches: 2, 4, 8, 16, 24, 32
+    assert describe(shapes) == ("decode batches of 1 to 8 sequences (4 sizes), and for one sequence verifying 1 to "
+                                "4 draft tokens, and for 2 to 8 sequences verifying drafts (3 sizes)")
+
+
+@pytest.mark.parametrize("sequences", [[1], [5], [1] * 8, [5] * 8, [1, 5, 2], [3, 3, 3, 3, 3]])
+def test_every_batch_that_fits_a_verification_shape_pads_to_it(sequences: list[int]) -> None:
+    """Any b sequences of 1 to K + 1 tokens fill 2b' sequences over b' (K + 2) rows (b'
+    the bucket of b) with spare sequences of 1 to K + 1 rows."""
+    shapes = graph_shapes(8, 4)
+    shape = padded_shape(sequences, shapes)
+    assert shape is not None
+    padding = shape.padding(len(sequences), sum(sequences))
+    assert padding is not None and all(1 <= rows <= shape.query_len for rows in padding)
+    assert len(sequences) + len(padding) == shape.sequences and sum(sequences) + sum(padding) == shape.rows
+
+
+def test_verification_padding_keeps_each_sequence_and_adds_sequences() -> None:
+    batch = ScheduledBatch()
+    drafting = _decode_request("a", 5, [7])
+    drafting.draft_token_ids = [40, 41]
+    batch.add(drafting, 3)
+    batch.add(_decode_request("b", 20, [2, 9]), 1)
+    inputs = prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=GraphShape(4, 12, 5))
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [7, 40, 41, 22] + [0] * 8
+    assert inputs.positions.tolist() == [4, 5, 6, 19] + [0, 1, 2, 3] * 2
+    assert meta.slot_mapping.tolist() == [7 * 16 + 4, 7 * 16 + 5, 7 * 16 + 6, 9 * 16 + 3] + [-1] * 8
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 8, 12]
+    assert meta.seq_lens.tolist() == [7, 20, 4, 4]
+    assert meta.block_tables.tolist() == [[7, 0], [2, 9], [0, 0], [0, 0]]
+    assert meta.max_query_len == 4
+    assert inputs.logits_rows.tolist() == [0, 1, 2, 3]  # the real rows, each sampled
+    with pytest.raises(ValueError, match="cannot pad"):
+        prepare_inputs(batch, block_size=16, device=torch.device("cpu"), pad_to=GraphShape(4, 12, 2))
 
 
 def test_replayed_verification_steps_equal_eager_steps(llama, triton_on_cpu) -> None:  # type: ignore[no-untyped-def]
@@ -211,8 +257,8 @@ def test_replayed_verification_steps_equal_eager_steps(llama, triton_on_cpu) -> 
     eager_engine = Engine(path, config, device="cpu")
     eager = run(eager_engine)
     engine = Engine(path, config, device="cpu")
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, capture_sizes(4), engine.max_model_len,
-                          config.block_size, engine.device, replayed_capture, verify_lengths(4))
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, graph_shapes(4, 4), engine.max_model_len,
+                          config.block_size, engine.device, replayed_capture)
     with using(engine.kernels), torch.inference_mode():
         graphs.capture()
     engine.runner.graphs = graphs
@@ -220,9 +266,49 @@ def test_replayed_verification_steps_equal_eager_steps(llama, triton_on_cpu) -> 
     for (tokens, logprobs), (ours, our_logprobs) in zip(eager, replayed):
         assert ours == tokens
         assert our_logprobs == pytest.approx(logprobs, abs=1e-4)
-    assert sorted(graphs.verify_graphs) == [2, 3, 4, 5]
-    assert sum(graphs.verify_replays.values()) > 0 and sum(graphs.replays.values()) > 0
+    assert sorted(shape.query_len for shape in graphs.graphs if shape.kind == "verify") == [2, 3, 4, 5]
+    kinds = {shape.kind for shape in graphs.replays}
+    assert kinds == {"verify", "decode"}
     assert engine.speculator.stats.num_drafts == eager_engine.speculator.stats.num_drafts > 0
+
+
+def test_replayed_batches_verifying_drafts_equal_eager_steps(llama, triton_on_cpu) -> None:  # type: ignore[no-untyped-def]
+    """ARRIVALS' requests with drafts every step (their known continuations, every fifth
+    token wrong): batches of several sequences with drafts of different lengths replay the
+    verification batch shapes, padded by spare sequences, and give the eager engine's
+    tokens and logprobs with the same drafts, and plain greedy decoding's tokens."""
+    from localserve.engine.speculative import SpeculativeConfig
+
+    from .test_speculative import ScriptedDrafter
+
+    path, _ = llama
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32)
+    plain = run_greedy(Engine(path, config, device="cpu"))
+    continuations = {tuple(random_prompt(length, seed=i)): plain[str(i)][0] for i, (length, _, _) in enumerate(ARRIVALS)}
+    drafting = dataclasses.replace(config, speculative=SpeculativeConfig(num_tokens=4, adaptive=False))
+
+    def engine_with_drafts() -> Engine:
+        engine = Engine(path, drafting, device="cpu")
+        engine.speculator.drafter = ScriptedDrafter(continuations, engine.spec.vocab_size)
+        return engine
+
+    eager_engine = engine_with_drafts()
+    eager = run_greedy(eager_engine)
+    engine = engine_with_drafts()
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, graph_shapes(4, 4), engine.max_model_len,
+                          config.block_size, engine.device, replayed_capture)
+    with using(engine.kernels), torch.inference_mode():
+        graphs.capture()
+    engine.runner.graphs = graphs
+    replayed = run_greedy(engine)
+    assert sorted(replayed) == sorted(eager) == [str(i) for i in range(len(ARRIVALS))]
+    for request_id, (tokens, logprobs) in eager.items():
+        assert tokens == plain[request_id][0], request_id
+        assert replayed[request_id][0] == tokens, request_id
+        assert replayed[request_id][1] == pytest.approx(logprobs, abs=1e-4), request_id
+    batches = {shape for shape in graphs.replays if shape.kind == "verify batch"}
+    assert {GraphShape(4, 12, 5), GraphShape(8, 24, 5)} <= batches, graphs.replays
+    assert engine.speculator.stats.num_accepted_tokens == eager_engine.speculator.stats.num_accepted_tokens > 0
 
 
 # -- the capture on a faked card ---------------------------------------------------------
@@ -251,7 +337,8 @@ def test_capture_at_load_reserves_its_memory_and_replays(tiny_models, caplog) ->
     with fake_gpu(RTX_4090) as gpu, caplog.at_level(logging.INFO, logger="localserve"):
         engine = Engine(path, config, device="cuda:0")
         graphs = engine.runner.graphs
-        assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+        assert graphs is not None and sorted(graphs.graphs, key=lambda shape: shape.rows) == [
+            GraphShape(size, size, 1) for size in (1, 2, 4, 8, 16)]
         assert all(graph.captured for graph, _ in graphs.graphs.values())
         (pool,) = gpu.mode.graph_pools.values()  # one pool, shared by every size
         assert pool > 0
@@ -263,7 +350,7 @@ def test_capture_at_load_reserves_its_memory_and_replays(tiny_models, caplog) ->
             engine.step()
     with fake_gpu(RTX_4090), caplog.at_level(logging.INFO, logger="localserve"):
         eager = Engine(path, dataclasses.replace(config, disable_cuda_graphs=True), device="cuda:0")
-    assert graphs.replays == {4: 4}  # 3 sequences prefilled in one step, then 4 decode steps
+    assert graphs.replays == {GraphShape(4, 4, 1): 4}  # 3 sequences prefilled in one step, then 4 decode steps
     assert "CUDA graphs captured for decode batches of 1 to 16 sequences (5 sizes)" in caplog.text
     assert "CUDA graphs are off: disable_cuda_graphs is set" in caplog.text
     assert eager.runner.graphs is None
@@ -276,8 +363,9 @@ def test_capture_at_load_reserves_its_memory_and_replays(tiny_models, caplog) ->
 
 
 def test_verification_graphs_are_captured_at_load_and_replayed(tiny_models, caplog) -> None:  # type: ignore[no-untyped-def]
-    """With speculative decoding on, the engine also captures one sequence's verification
-    steps, under the capture's checks, and a request drafting alone replays them."""
+    """With speculative decoding on, the engine also captures the verification shapes
+    (one sequence, and batches), under the capture's checks; a request drafting alone
+    replays one sequence's, several at once the batches'."""
     from localserve.engine.speculative import SpeculativeConfig
 
     path = tiny_models.get("llama", torch.bfloat16)[0]
@@ -286,13 +374,21 @@ def test_verification_graphs_are_captured_at_load_and_replayed(tiny_models, capl
     with fake_gpu(RTX_4090), caplog.at_level(logging.INFO, logger="localserve"):
         engine = Engine(path, config, device="cuda:0")
         graphs = engine.runner.graphs
-        assert graphs is not None and sorted(graphs.verify_graphs) == [2, 3]
+        assert graphs is not None and sorted(shape.rows for shape in graphs.graphs if shape.kind == "verify") == [2, 3]
         engine.add_request(random_prompt(5, seed=1) * 4, SamplingParams(max_tokens=12, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-    assert "and for one sequence verifying 1 to 2 draft tokens" in caplog.text
-    assert engine.speculator.stats.num_drafts > 0
-    assert sum(graphs.verify_replays.values()) == engine.speculator.stats.num_drafts
+        alone = engine.speculator.stats.num_drafts
+        assert alone > 0
+        assert sum(count for shape, count in graphs.replays.items() if shape.kind == "verify") == alone
+        for seed in (2, 3, 4):  # several at once: the verification batch shapes
+            engine.add_request(random_prompt(4, seed=seed) * 5, SamplingParams(max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert "and for one sequence verifying 1 to 2 draft tokens, and for 2 to 4 sequences verifying drafts" \
+        in caplog.text
+    assert engine.speculator.stats.num_drafts > alone
+    assert any(shape.kind == "verify batch" for shape in graphs.replays), graphs.replays
 
 
 def test_a_draft_model_on_a_fake_card_warms_up_at_load_and_drafts(tiny_models, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -1,33 +1,38 @@
-"""CUDA graphs for decode steps: a step whose sequences each bring one new token replays
-a graph of the whole model forward, captured at load, instead of launching its hundreds
-of kernels one by one from Python.
+"""CUDA graphs for decode steps: a step whose sequences each bring one new token (or a few:
+speculative decoding's drafts) replays a graph of the whole model forward, captured at
+load, instead of launching its hundreds of kernels one by one from Python.
 
-A graph replays fixed kernels on fixed addresses, so it is captured once per *bucket*
-(a batch size: 1, 2, 4, then every multiple of 8, as vLLM does) over static input
-buffers. A batch of ``n`` decodes runs in the smallest bucket ``>= n``: the runner pads
-it with rows that write no cache slot (slot -1) and attend to one key, copies it into
-the static buffers, replays, and reads the first ``n`` rows of the static output.
-Prefill steps, and decode batches larger than the largest bucket, run eagerly.
+A graph replays fixed kernels on fixed addresses, so it is captured once per *shape*
+(``GraphShape``: sequences, rows, the longest sequence's rows) over static input buffers.
+A batch runs in the smallest shape that holds it: the runner adds padding sequences of
+one to ``query_len`` rows each that write no cache slot (slot -1) and attend only to
+themselves, copies the batch into the static buffers, replays, and reads the real rows of
+the static output. The shapes:
 
-Speculative decoding adds *verification* graphs: one sequence bringing 1 + k tokens (its
-last token and k drafts), for each k up to the engine's ``num_speculative_tokens``; the
-one-user case, where a step's launches weigh most. Batches of several sequences with drafts
-run eagerly (their lengths differ from request to request).
+- decode buckets: 1, 2, 4, then every multiple of 8 sequences of one token, as vLLM does;
+- with speculative decoding (``num_speculative_tokens`` K), one sequence of exactly
+  1 + k tokens for each k up to K (the one-user case, where a step's launches weigh most,
+  with no padding at all);
+- and for several sequences verifying drafts, ``2b`` sequences over ``b (K + 2)`` rows for
+  each decode bucket b up to MAX_VERIFY_CAPTURE: any b sequences of 1 to K + 1 tokens fit
+  with padding sequences of 1 to K + 1 rows (their lengths differ from request to request,
+  so they are not padded within; spare sequences take the spare rows).
+
+Prefill steps, and batches larger than the largest shape, run eagerly.
 
 What a captured forward may not do: read a value back to the host, copy from host
 memory, or take a launch decision from per-step host data. The Triton path takes its
-grids from shapes and ``max_query_len`` (fixed per graph: 1 in a decode bucket, 1 + k in a
-verification graph); the attention metadata's host lists keep their capture-time values,
-which no CUDA kernel reads.
+grids from shapes and ``max_query_len`` (the shape's ``query_len``); each sequence's
+length comes from ``query_start_loc`` on the device; the attention metadata's host lists
+keep their capture-time values, which no CUDA kernel reads.
 
-The sizes and padding are plain code (tested on the CPU); the capture itself is
+The shapes and padding are plain code (tested on the CPU); the capture itself is
 ``CudaGraphCapture``, which tests replace with one that re-runs the forward on the static
 buffers (graph semantics without a GPU).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,14 +47,73 @@ from .config import EngineConfig
 # Decode batches above this run eagerly: a graph per bucket costs capture time and
 # memory, and at this many rows the launch overhead a graph saves is a small share.
 MAX_CAPTURE_SIZE = 256
+# Batches of several sequences verifying drafts above this run eagerly: by then a verified
+# row costs about what it yields (adaptive.py), so few of their sequences draft.
+MAX_VERIFY_CAPTURE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """A captured forward's batch: ``sequences`` sequences over ``rows`` rows, none of
+    more than ``query_len`` rows."""
+
+    sequences: int
+    rows: int
+    query_len: int
+
+    @property
+    def kind(self) -> str:
+        """"decode" (one token a sequence), "verify" (one sequence, drafts) or
+        "verify batch" (several sequences, drafts)."""
+        if self.query_len == 1:
+            return "decode"
+        return "verify" if self.sequences == 1 else "verify batch"
+
+    def padding(self, sequences: int, rows: int) -> list[int] | None:
+        """The rows of each padding sequence that fills this shape up from a batch of
+        ``sequences`` sequences over ``rows`` rows (each 1 to ``query_len`` rows), or None
+        when the batch does not fit (its sequences' own lengths are checked apart)."""
+        spare, extra = self.sequences - sequences, self.rows - rows
+        if spare < 0 or not spare <= extra <= spare * self.query_len:
+            return None
+        if spare == 0:
+            return []
+        each, longer = divmod(extra, spare)
+        return [each + 1] * longer + [each] * (spare - longer)
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]:
-    """The buckets: 1, 2, 4, each multiple of 8, and the largest batch, up to
+    """The decode buckets: 1, 2, 4, each multiple of 8, and the largest batch, up to
     ``min(max_num_seqs, limit)``."""
     top = min(max_num_seqs, limit)
     sizes = {size for size in (1, 2, 4) if size <= top} | set(range(8, top + 1, 8)) | {top}
     return sorted(sizes)
+
+
+def graph_shapes(max_num_seqs: int, num_speculative_tokens: int = 0) -> list[GraphShape]:
+    """Every shape an engine captures (see the module doc), smallest first."""
+    sizes = capture_sizes(max_num_seqs)
+    shapes = [GraphShape(size, size, 1) for size in sizes]
+    if num_speculative_tokens:
+        longest = num_speculative_tokens + 1
+        shapes += [GraphShape(1, length, length) for length in range(2, longest + 1)]
+        shapes += [GraphShape(2 * size, size * (longest + 1), longest) for size in sizes
+                   if 2 <= size <= MAX_VERIFY_CAPTURE]
+    return sorted(shapes, key=lambda shape: (shape.rows, shape.sequences))
+
+
+def describe(shapes: Sequence[GraphShape]) -> str:
+    """The shapes in words, for the log."""
+    def sequences(kind: str) -> list[int]:
+        return sorted(shape.sequences for shape in shapes if shape.kind == kind)
+
+    decode = sequences("decode")
+    words = f"decode batches of 1 to {decode[-1]} sequences ({len(decode)} sizes)"
+    if drafts := max((shape.query_len - 1 for shape in shapes if shape.kind == "verify"), default=0):
+        words += f", and for one sequence verifying 1 to {drafts} draft tokens"
+    if batches := sequences("verify batch"):
+        words += f", and for 2 to {batches[-1] // 2} sequences verifying drafts ({len(batches)} sizes)"
+    return words
 
 
 def why_eager(config: EngineConfig, num_layers: int) -> str | None:
@@ -64,23 +128,14 @@ def why_eager(config: EngineConfig, num_layers: int) -> str | None:
     return None
 
 
-def padded_size(num_new_tokens: Sequence[int], sizes: Sequence[int],
-                verify_lengths: Sequence[int] = ()) -> int | None:
-    """The bucket a batch (its new tokens per sequence) replays in: the smallest size
-    holding its sequences when each brings one token, 1 for one sequence verifying drafts
-    in a captured length; None when it must run eagerly."""
-    if len(num_new_tokens) == 1 and num_new_tokens[0] in verify_lengths:
-        return 1
-    if not num_new_tokens or any(n != 1 for n in num_new_tokens):
+def padded_shape(num_new_tokens: Sequence[int], shapes: Sequence[GraphShape]) -> GraphShape | None:
+    """The smallest of ``shapes`` (sorted by rows) that holds a batch of sequences with
+    these numbers of new tokens, or None: it runs eagerly."""
+    if not num_new_tokens:
         return None
-    index = bisect.bisect_left(sizes, len(num_new_tokens))
-    return sizes[index] if index < len(sizes) else None
-
-
-def verify_lengths(num_speculative_tokens: int) -> list[int]:
-    """The query lengths of the verification graphs: 1 + k for k = 1 .. the engine's
-    draft tokens (none without speculative decoding)."""
-    return list(range(2, num_speculative_tokens + 2))
+    sequences, rows, longest = len(num_new_tokens), sum(num_new_tokens), max(num_new_tokens)
+    return next((shape for shape in shapes
+                 if longest <= shape.query_len and shape.padding(sequences, rows) is not None), None)
 
 
 class Graph(Protocol):
@@ -117,61 +172,69 @@ class CudaGraphCapture:
 
 @dataclass(slots=True)
 class StaticInputs:
-    """The buffers every graph reads, sized for the largest bucket; a bucket of ``size``
-    reads their first ``size`` rows."""
+    """The buffers every graph reads, sized for the largest shape; a shape reads their
+    first rows and sequences."""
 
     input_ids: torch.Tensor  # [rows] int64
     positions: torch.Tensor  # [rows] int64
     slot_mapping: torch.Tensor  # [rows] int64
-    query_start_loc: torch.Tensor  # [rows + 1] int32
-    seq_lens: torch.Tensor  # [rows] int32
-    block_tables: torch.Tensor  # [rows, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor  # [sequences + 1] int32
+    seq_lens: torch.Tensor  # [sequences] int32
+    block_tables: torch.Tensor  # [sequences, max_blocks_per_seq] int32
 
     @staticmethod
-    def nbytes(rows: int, max_blocks_per_seq: int) -> int:
-        """What ``allocate`` takes: three int64 and two int32 values per row, one more
-        offset, and the block tables."""
-        return rows * (3 * 8 + 2 * 4) + 4 + rows * max_blocks_per_seq * 4
+    def nbytes(rows: int, sequences: int, max_blocks_per_seq: int) -> int:
+        """What ``allocate`` takes: three int64 values per row, an int32 offset and
+        length per sequence, one more offset, and the block tables."""
+        return rows * 3 * 8 + sequences * 2 * 4 + 4 + sequences * max_blocks_per_seq * 4
 
     @classmethod
-    def allocate(cls, rows: int, max_blocks_per_seq: int, device: torch.device) -> StaticInputs:
-        # Filled as padding: every row one token at position 0 writing no slot, reading
-        # block 0, so a capture writes nothing to the cache.
-        def fill(value: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full(shape, value, dtype=dtype, device=device)
+    def allocate(cls, rows: int, sequences: int, max_blocks_per_seq: int, device: torch.device) -> StaticInputs:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
 
         return cls(
-            input_ids=fill(0, rows, dtype=torch.int64),
-            positions=fill(0, rows, dtype=torch.int64),
-            slot_mapping=fill(-1, rows, dtype=torch.int64),
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device),
-            seq_lens=fill(1, rows, dtype=torch.int32),
-            block_tables=fill(0, rows, max_blocks_per_seq, dtype=torch.int32),
+            input_ids=zeros(rows, dtype=torch.int64),
+            positions=zeros(rows, dtype=torch.int64),
+            slot_mapping=zeros(rows, dtype=torch.int64),
+            query_start_loc=zeros(sequences + 1, dtype=torch.int32),
+            seq_lens=zeros(sequences, dtype=torch.int32),
+            block_tables=zeros(sequences, max_blocks_per_seq, dtype=torch.int32),
         )
 
-    def metadata(self, size: int, max_seq_len: int, query_len: int = 1) -> AttentionMetadata:
-        """The attention metadata of a graph of ``size`` sequences of ``query_len`` tokens:
-        views of these buffers; bounds, not values, on the host (no sequence longer than
-        ``max_seq_len``)."""
+    def metadata(self, shape: GraphShape, max_seq_len: int) -> AttentionMetadata:
+        """The attention metadata of a graph of ``shape``: views of these buffers; on the
+        host, bounds (no sequence longer than ``max_seq_len``) and the lengths ``shape_for``
+        gives its capture, not a replay's."""
+        lengths = self._padding_alone(shape)
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size * query_len],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            max_query_len=query_len,
+            slot_mapping=self.slot_mapping[:shape.rows],
+            query_start_loc=self.query_start_loc[: shape.sequences + 1],
+            seq_lens=self.seq_lens[:shape.sequences],
+            block_tables=self.block_tables[:shape.sequences],
+            max_query_len=shape.query_len,
             max_seq_len=max_seq_len,
-            query_lens_host=[query_len] * size,
-            seq_lens_host=[query_len] * size,
+            query_lens_host=lengths,
+            seq_lens_host=lengths,
         )
 
-    def shape_for(self, size: int, query_len: int) -> None:
-        """Set the offsets and lengths of ``size`` padding sequences of ``query_len``
-        tokens (writing no slot), so a capture's warm-up run reads a consistent batch."""
-        rows = size * query_len
-        self.query_start_loc[: size + 1].copy_(torch.arange(0, rows + 1, query_len, dtype=torch.int32))
-        self.seq_lens[:size].fill_(query_len)
-        self.positions[:rows].copy_(torch.arange(query_len).repeat(size))
-        self.slot_mapping[:rows].fill_(-1)
+    @staticmethod
+    def _padding_alone(shape: GraphShape) -> list[int]:
+        lengths = shape.padding(0, 0)
+        assert lengths is not None, shape
+        return lengths
+
+    def shape_for(self, shape: GraphShape) -> None:
+        """Fill the shape with padding sequences alone (each from position 0, writing no
+        slot, reading block 0), so a capture's warm-up run reads a consistent batch and
+        writes nothing to the cache."""
+        lengths = self._padding_alone(shape)
+        offsets = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.query_start_loc[: shape.sequences + 1].copy_(offsets)
+        self.seq_lens[:shape.sequences].copy_(torch.tensor(lengths, dtype=torch.int32))
+        self.positions[:shape.rows].copy_(torch.cat([torch.arange(length) for length in lengths]))
+        self.slot_mapping[:shape.rows].fill_(-1)
+        self.block_tables[:shape.sequences].fill_(0)
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Copy a padded batch in (device to device, outside any graph). Rows past it keep
@@ -188,55 +251,44 @@ class StaticInputs:
 
 
 class DecodeGraphs:
-    """One captured forward per bucket, replayed for decode steps, and one per
-    verification length, replayed for one sequence's drafts."""
+    """One captured forward per shape (see the module doc), replayed for the steps that fit."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], sizes: Sequence[int], max_model_len: int,
-                 block_size: int, device: torch.device, capture: Capture, verify_lengths: Sequence[int] = ()) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], shapes: Sequence[GraphShape],
+                 max_model_len: int, block_size: int, device: torch.device, capture: Capture) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = sorted(sizes)
-        self.verify_lengths = sorted(verify_lengths)
+        self.shapes = sorted(shapes, key=lambda shape: (shape.rows, shape.sequences))
         self.max_model_len = max_model_len
         self.capture_fn = capture
-        rows = max(self.sizes[-1], *self.verify_lengths) if self.verify_lengths else self.sizes[-1]
-        self.static = StaticInputs.allocate(rows, -(-max_model_len // block_size), device)
-        self.graphs: dict[int, tuple[Graph, torch.Tensor]] = {}  # decode buckets, by size
-        self.verify_graphs: dict[int, tuple[Graph, torch.Tensor]] = {}  # one sequence, by query length
-        self.replays: Counter[int] = Counter()  # per bucket
-        self.verify_replays: Counter[int] = Counter()  # per query length
+        self.static = StaticInputs.allocate(max(shape.rows for shape in shapes),
+                                            max(shape.sequences for shape in shapes),
+                                            -(-max_model_len // block_size), device)
+        self.graphs: dict[GraphShape, tuple[Graph, torch.Tensor]] = {}
+        self.replays: Counter[GraphShape] = Counter()
 
     def capture(self) -> None:
         """Capture every graph, largest first (the pool is then as large as it gets at once)."""
-        shapes = [(size, 1) for size in self.sizes] + [(1, length) for length in self.verify_lengths]
-        for size, query_len in sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
-            rows = size * query_len
-            self.static.shape_for(size, query_len)
-            meta = self.static.metadata(size, self.max_model_len, query_len)
-            input_ids, positions = self.static.input_ids[:rows], self.static.positions[:rows]
+        for shape in reversed(self.shapes):
+            self.static.shape_for(shape)
+            meta = self.static.metadata(shape, self.max_model_len)
+            input_ids, positions = self.static.input_ids[:shape.rows], self.static.positions[:shape.rows]
 
             def forward(input_ids: torch.Tensor = input_ids, positions: torch.Tensor = positions,
                         meta: AttentionMetadata = meta) -> torch.Tensor:
                 return self.model(input_ids, positions, self.kv_caches, meta)
 
-            graphs = self.graphs if query_len == 1 else self.verify_graphs
-            graphs[size if query_len == 1 else query_len] = self.capture_fn(forward)
-        self.static.shape_for(self.sizes[-1], 1)
+            self.graphs[shape] = self.capture_fn(forward)
 
-    def padded_size(self, num_new_tokens: Sequence[int]) -> int | None:
-        """The bucket this batch replays in, or None (see ``padded_size``)."""
-        return padded_size(num_new_tokens, self.sizes, self.verify_lengths)
+    def padded_shape(self, num_new_tokens: Sequence[int]) -> GraphShape | None:
+        """The shape this batch replays in, or None (see ``padded_shape``)."""
+        return padded_shape(num_new_tokens, self.shapes)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[rows, hidden]`` of a batch padded to a bucket (or of one
-        sequence verifying drafts): the graph's static output, valid until the next replay."""
-        rows, size = input_ids.shape[0], meta.seq_lens.shape[0]
-        if rows == size:
-            graph, out = self.graphs[size]
-            self.replays[size] += 1
-        else:
-            graph, out = self.verify_graphs[rows]
-            self.verify_replays[rows] += 1
+    def replay(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[rows, hidden]`` of a batch padded to ``shape``: the graph's
+        static output, valid until the next replay."""
+        graph, out = self.graphs[shape]
+        self.replays[shape] += 1
         self.static.load(input_ids, positions, meta)
         graph.replay()
         return out

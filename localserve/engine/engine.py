@@ -160,11 +160,10 @@ class Engine:
         if reason:
             log.info("CUDA graphs are off: %s; decode steps run eagerly", reason)
         else:
-            sizes = cuda_graphs.capture_sizes(self.config.max_num_seqs)
-            lengths = cuda_graphs.verify_lengths(self.config.speculative.num_tokens)
-            graphs = cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, sizes, self.max_model_len,
+            shapes = cuda_graphs.graph_shapes(self.config.max_num_seqs, self.config.speculative.num_tokens)
+            graphs = cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, shapes, self.max_model_len,
                                               self.config.block_size, self.device,
-                                              cuda_graphs.CudaGraphCapture(self.device), lengths)
+                                              cuda_graphs.CudaGraphCapture(self.device))
             try:
                 with using(self.kernels), torch.inference_mode():
                     graphs.capture()
@@ -175,9 +174,7 @@ class Engine:
                             "gpu_memory_utilization or max_num_seqs to leave them room)")
             else:
                 self.runner.graphs = graphs
-                log.info("CUDA graphs captured for decode batches of 1 to %d sequences (%d sizes)%s",
-                         sizes[-1], len(sizes), f", and for one sequence verifying 1 to {len(lengths)} draft "
-                                                f"tokens" if lengths else "")
+                log.info("CUDA graphs captured for %s", cuda_graphs.describe(shapes))
         log.info("warm-up took %.1f s", time.monotonic() - start)
 
     def _cap_to_pool(self, wanted: int, pool_tokens: int) -> int:

@@ -24,7 +24,7 @@ from ..formats.spec import ModelSpec
 from ..formats.weights import WeightSizes
 from ..units import human_bytes
 from .config import EngineConfig
-from .cuda_graphs import StaticInputs, capture_sizes, verify_lengths, why_eager
+from .cuda_graphs import StaticInputs, graph_shapes, why_eager
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from .runner import scratch_prefill
 
@@ -187,11 +187,11 @@ def cuda_graph_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, 
     of static inputs (block tables as wide as ``context``)."""
     if why_eager(config, spec.num_layers):
         return 0
-    sizes = capture_sizes(config.max_num_seqs)
-    lengths = verify_lengths(config.speculative.num_tokens)
-    rows = max(sizes + lengths)
-    outputs = (sum(sizes) + sum(lengths)) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
-    static_inputs = StaticInputs.nbytes(rows, -(-context // config.block_size))
+    shapes = graph_shapes(config.max_num_seqs, config.speculative.num_tokens)
+    rows = max(shape.rows for shape in shapes)
+    outputs = sum(shape.rows for shape in shapes) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
+    static_inputs = StaticInputs.nbytes(rows, max(shape.sequences for shape in shapes),
+                                        -(-context // config.block_size))
     return estimate_activation_peak(spec, rows, 0, dtype) + outputs + static_inputs
 
 

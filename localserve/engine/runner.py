@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels import AttentionMetadata, KVCache
 from ..kernels.dispatch import KernelChoice, using
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, GraphShape
 from .pooling import finish, fold_chunk
 from .request import Request
 from .sampling_params import SamplingParams
@@ -52,10 +53,10 @@ class Span:
 
 
 def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
-                       padding: int = 0) -> AttentionMetadata:
-    """The attention metadata of a step over ``spans`` (in row order), with ``padding``
-    one-row sequences after them: position 0, writing no cache slot (-1), attending to
-    one key of block 0."""
+                       padding: Sequence[int] = ()) -> AttentionMetadata:
+    """The attention metadata of a step over ``spans`` (in row order), with padding
+    sequences of ``padding`` rows each after them: from position 0, writing no cache slot
+    (-1), attending to their own keys' places in block 0."""
     slots: list[int] = []
     query_start, seq_lens, query_lens = [0], [], []
     for span in spans:
@@ -64,13 +65,13 @@ def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
         query_lens.append(span.end - span.start)
         query_start.append(query_start[-1] + query_lens[-1])
         seq_lens.append(span.end)
-    max_blocks = max(len(span.block_table) for span in spans)
+    max_blocks = max([len(span.block_table) for span in spans] + [-(-rows // block_size) for rows in padding])
     tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
-    for _ in range(padding):
-        slots.append(-1)
-        query_start.append(query_start[-1] + 1)
-        seq_lens.append(1)
-        query_lens.append(1)
+    for rows in padding:
+        slots.extend([-1] * rows)
+        query_start.append(query_start[-1] + rows)
+        seq_lens.append(rows)
+        query_lens.append(rows)
         tables.append([0] * max_blocks)
     return AttentionMetadata(
         slot_mapping=host_tensor(slots, torch.int64, device),
@@ -93,10 +94,10 @@ def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
-                   pad_to: int | None = None) -> ModelInputs:
-    """The batch as flat tensors on ``device``; with ``pad_to``, a decode batch (one new
-    token per sequence) grown to that many sequences by padding rows (token 0, see
-    ``attention_metadata``), never sampled (how a CUDA graph's bucket takes a smaller batch)."""
+                   pad_to: GraphShape | None = None) -> ModelInputs:
+    """The batch as flat tensors on ``device``; with ``pad_to``, grown to that shape by
+    padding sequences (token 0, see ``attention_metadata``), never sampled (how a CUDA
+    graph's shape takes a smaller batch)."""
     input_ids: list[int] = []
     positions: list[int] = []
     spans: list[Span] = []
@@ -125,12 +126,16 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
             to_sample.append(request)
         rows += num_new
 
-    padding = 0 if pad_to is None else pad_to - len(batch.requests)
-    if padding < 0 or (padding and max(batch.num_new_tokens) != 1):
-        raise ValueError(f"cannot pad a batch of {len(batch.requests)} sequences (query lengths up to "
-                         f"{max(batch.num_new_tokens)}) to {pad_to}")
-    input_ids.extend([0] * padding)
-    positions.extend([0] * padding)
+    padding: list[int] = []
+    if pad_to is not None:
+        fitting = pad_to.padding(len(batch.requests), rows)
+        if fitting is None or max(batch.num_new_tokens) > pad_to.query_len:
+            raise ValueError(f"cannot pad a batch of {len(batch.requests)} sequences (query lengths up to "
+                             f"{max(batch.num_new_tokens)}) to {pad_to}")
+        padding = fitting
+    for length in padding:
+        input_ids.extend([0] * length)
+        positions.extend(range(length))
     logits_rows = sample_rows + prompt_rows
     return ModelInputs(
         input_ids=host_tensor(input_ids, torch.int64, device),
@@ -202,16 +207,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        bucket = self.graphs.padded_size(batch.num_new_tokens) if self.graphs else None
-        inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=bucket)
+        shape = self.graphs.padded_shape(batch.num_new_tokens) if self.graphs else None
+        inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=shape)
         # A request verifying draft tokens samples each of its 1 + k positions as a plain
         # decode of that position would: its rows come one after another.
         row_requests = [(r, j) for r in inputs.to_sample for j in range(1 + len(r.draft_token_ids))]
         # Structured outputs' masks are worked out on another thread while the model runs.
         masks = self.structured.masks([(r.active_constraint, r.draft_token_ids) for r in inputs.to_sample]) \
             if self.structured else None
-        if bucket is not None:
-            hidden = self.graphs.replay(inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
+        if shape is not None:
+            hidden = self.graphs.replay(shape, inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         embeddings = self._pool(hidden, inputs.pooled_chunks)
