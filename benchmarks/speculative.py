@@ -21,8 +21,10 @@ lookup-served: prompt lookup against llama-server's (ngram-simple, its defaults)
 one client, on lookup's prompts.
 
 draft: a draft model against llama-server's speculative mode (-md), served, the same two
-files (the target and a draft made of its first two layers), the same k: one client's TPOT
-and 16 clients' output tokens/s, each server with and without its draft.
+files (the target and a draft made of its first two layers, or --draft-model's file), the
+same k: one client's TPOT and 16 clients' output tokens/s, each server with and without its
+draft. A draft that never agrees: --shape llama-3.1-8b --draft-model the 1B file (unrelated
+random weights of the same vocabulary).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def draft_pair(args: argparse.Namespace, k: int, workloads: list[str]) -> None:
     """A draft model against llama-server's, served, on the same two files: the target and
     its first two layers (real_shapes' llama-3.2-1b-draft), k draft tokens at most."""
     target = real_shapes.model_path(args.shape, args.type)
-    draft = real_shapes.model_path(f"{args.shape}-draft", args.type)
+    draft = args.draft_model or real_shapes.model_path(f"{args.shape}-draft", args.type)
     # Room for the draft's cache too: the two pools split --kv-cache-memory.
     per_token = real_shapes.kv_bytes_per_token(target) + real_shapes.kv_bytes_per_token(draft)
     print(f"\ndraft model {draft.name} for {target.name}, k {k}, served ({args.repeats} interleaved repeats)")
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--draft-workloads", nargs="+", default=["one", "16"], choices=["one", "16"],
                         help="the draft pair's served workloads (real_shapes' one and 16)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="k of the served comparisons")
+    parser.add_argument("--draft-model", type=Path, help="the draft part's draft (default: the shape's first two layers)")
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 16], help="mechanics' client counts")
     args = parser.parse_args()
     from localserve import LLM, SpeculativeConfig
