@@ -132,6 +132,38 @@ def test_shadow_proposals_of_a_draft_model_take_a_small_share_of_the_time(monkey
         assert (SlowDrafter.calls if drafter else shadows) == expected_calls
 
 
+def test_a_new_request_drafts_where_drafting_pays_for_the_catch_up() -> None:
+    """A draft model first takes in a new request's prompt: at a middling acceptance the
+    few steps drafting would save do not pay for a long prompt's catch-up, so the request
+    waits (a draft that never agreed made each new request catch up on its prompt to draft
+    a token or two); a short prompt, or drafts that are nearly always kept, pay for it."""
+    from localserve.engine.request import Request
+    from localserve.engine.speculative.speculator import Speculator
+
+    class ColdDrafter(PerRequestDrafter):
+        token_cost = 0.2
+
+        def unfed_tokens(self, request_id: str, length: int) -> int:
+            return length  # nothing taken in yet
+
+        def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+            return [1] * count
+
+    def drafts(prompt_tokens: int, rate: float, max_tokens: int) -> int:
+        speculator = Speculator(SpeculativeConfig(num_tokens=4), max_model_len=4096, drafter=ColdDrafter())
+        speculator.acceptance = Acceptance(rate=rate)  # where new requests start
+        request = Request("r", list(range(5, 5 + prompt_tokens)), SamplingParams(max_tokens=max_tokens), frozenset())
+        request.num_computed_tokens = request.num_tokens - 1
+        speculator.propose([request])
+        return len(request.draft_token_ids)
+
+    # Rate 0.45: one draft token a step, 1.04x: over 64 tokens ~2 steps saved, against a
+    # catch-up of 1,000 rows at 0.2 x 0.2 (40 steps), or of 20 (0.8).
+    assert drafts(1000, 0.45, 64) == 0
+    assert drafts(20, 0.45, 64) == 1
+    assert drafts(1000, 0.95, 64) == 0 and drafts(1000, 0.95, 1000) == 4  # 1.7x: ~28 steps in 64, ~100 in 256
+
+
 # -- exactness in the engine ------------------------------------------------------------
 
 

@@ -10,6 +10,10 @@ A draft model adds its own steps, t of a plain step per draft token (prompt look
 The request drafts the k that makes the most tokens per cost, and none when no k beats a
 plain step: a drafter that keeps missing costs nothing, and where the batch is already big
 enough that rows cost what they yield, drafting stops unless nearly every draft is kept.
+
+A draft model must first take in a request's tokens (its whole prompt, the first time): n
+tokens cost about n rows of a draft step, n c t. A request starts drafting only when what its
+drafts should save over its next tokens pays for that (``pays_back``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ PRIOR_RATE = 0.5
 # tokens of a 1B draft on 2 cores), which lands in its decode: at 5% a draft that never agreed
 # with Llama-3.1-8B paid one per request, 0.91x of its one-client TPOT.
 SHADOW_SHARE = 0.02
+# The tokens ahead a catch-up is weighed against: a request's remaining max_tokens, at most
+# this many (a typical answer's length; many requests allow far more than they use).
+PAYBACK_HORIZON = 256
 
 
 def expected_tokens(rate: float, draft_tokens: int) -> float:
@@ -58,11 +65,24 @@ class Acceptance:
         """The number of draft tokens, up to ``most``, that makes a step of ``decoding``
         requests yield most tokens per cost, a row costing ``row_cost`` of a one-row step
         and drafting a token ``token_cost`` (a draft model's step; 0 for prompt lookup)."""
+        return self._best(most, row_cost, decoding, token_cost)[0]
+
+    def pays_back(self, most: int, row_cost: float, decoding: int, token_cost: float, unfed: int,
+                  horizon: int) -> bool:
+        """Whether drafting from now saves, over ``horizon`` more tokens, more than taking in
+        ``unfed`` tokens first costs (in one-row steps: ``unfed`` rows of a draft step)."""
+        _, speedup = self._best(most, row_cost, decoding, token_cost)
+        saved = horizon * (1.0 - 1.0 / speedup)  # steps of this request's tokens, in plain steps' cost
+        return saved > unfed * row_cost * token_cost
+
+    def _best(self, most: int, row_cost: float, decoding: int, token_cost: float) -> tuple[int, float]:
+        """The best draft length and its tokens per cost over a plain step's."""
         others = max(decoding, 1) - 1
         plain_cost = 1.0 + row_cost * others
-        best, best_yield = 0, (others + 1.0) / plain_cost
+        plain_yield = (others + 1.0) / plain_cost
+        best, best_yield = 0, plain_yield
         for k in range(1, most + 1):
             gain = (others + expected_tokens(self.rate, k)) / (plain_cost + (row_cost + token_cost) * k)
             if gain > best_yield * (1 + 1e-9):
                 best, best_yield = k, gain
-        return best
+        return best, best_yield / plain_yield

@@ -158,6 +158,10 @@ class DraftModelDrafter:
         for request_id in [r for r in self.sequences if r not in keep]:
             self.release(request_id)  # a later catch-up refills it
 
+    def unfed_tokens(self, request_id: str, length: int) -> int:
+        sequence = self.sequences.get(request_id)
+        return length - (sequence.confirmed if sequence else 0)
+
     def release(self, request_id: str) -> None:
         sequence = self.sequences.pop(request_id, None)
         if sequence is not None:

@@ -34,6 +34,12 @@ class Drafter(Protocol):
         """The request is done (finished or cancelled): what is kept for it goes."""
         ...
 
+    def unfed_tokens(self, request_id: str, length: int) -> int:
+        """How many of the request's ``length`` tokens the drafter would have to take in
+        before its first proposal (a draft model's catch-up; 0 for a drafter that keeps
+        nothing)."""
+        ...
+
 
 class PerRequestDrafter:
     """A drafter that needs nothing but each request's tokens: proposes for one request
@@ -49,3 +55,6 @@ class PerRequestDrafter:
 
     def release(self, request_id: str) -> None:
         pass
+
+    def unfed_tokens(self, request_id: str, length: int) -> int:
+        return 0

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .adaptive import DRAFT_ROW_COST, SHADOW_SHARE, Acceptance
+from .adaptive import DRAFT_ROW_COST, PAYBACK_HORIZON, SHADOW_SHARE, Acceptance
 from .config import SpeculativeConfig
 from .drafter import Drafter, DraftQuery
 from .ngram import NgramDrafter
@@ -156,10 +156,21 @@ class Speculator:
         count = most
         if self.config.adaptive:
             count = state.acceptance.draft_length(most, self.row_cost, decoding, drafter.token_cost)
+            if count and drafter.token_cost and not self._pays_back(state.acceptance, request, most, decoding,
+                                                                    drafter, len(tokens)):
+                count = 0
         if count == 0 and ((drafter.token_cost and self.shadow_debt > 0)
                            or not self._could_pay(most, decoding, drafter.token_cost)):
             return None  # shadow proposals of every request in the same steps: one draft batch
         return DraftQuery(request, tokens, max(count, 1)), count
+
+    def _pays_back(self, acceptance: Acceptance, request: Request, most: int, decoding: int, drafter: Drafter,
+                   length: int) -> bool:
+        """Whether drafting pays for the drafter's catch-up on the request's tokens (a new
+        request's whole prompt) over its next tokens (adaptive.py)."""
+        unfed = drafter.unfed_tokens(request.request_id, length)
+        horizon = min(request.params.max_tokens - request.num_output_tokens, PAYBACK_HORIZON)
+        return unfed <= 1 or acceptance.pays_back(most, self.row_cost, decoding, drafter.token_cost, unfed, horizon)
 
     def _could_pay(self, most: int, decoding: int, token_cost: float) -> bool:
         """Whether drafts that are always kept would pay in a step of ``decoding`` requests
