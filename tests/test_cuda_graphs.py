@@ -311,6 +311,42 @@ def test_replayed_batches_verifying_drafts_equal_eager_steps(llama, triton_on_cp
     assert engine.speculator.stats.num_accepted_tokens == eager_engine.speculator.stats.num_accepted_tokens > 0
 
 
+def test_a_draft_model_drafts_through_replayed_graphs(llama, triton_on_cpu, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A draft model (the model's first layer) drafting for ARRIVALS' requests with its own
+    graphs, captured in the same shapes: its one-token steps (and catch-ups of one token)
+    replay the decode buckets, its catch-ups of a kept draft and the token after it the
+    verification shapes (prompts run eagerly), and every
+    request gets the eager engine's tokens and logprobs, with the same drafts kept."""
+    from .test_speculative import draft_config, shallow_copy
+
+    path, hf = llama
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32,
+                          speculative=draft_config(shallow_copy(hf, tmp_path / "draft")))
+    eager_engine = Engine(path, config, device="cpu")
+    eager = run_greedy(eager_engine)
+    engine = Engine(path, config, device="cpu")
+    assert engine.drafter is not None
+    shapes = graph_shapes(4, 4)
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, shapes, engine.max_model_len, config.block_size,
+                          engine.device, replayed_capture)
+    draft_graphs = DecodeGraphs(engine.drafter.model, engine.drafter.kv_caches, shapes, engine.max_model_len,
+                                config.block_size, engine.device, replayed_capture)
+    with using(engine.kernels), torch.inference_mode():
+        graphs.capture()
+        draft_graphs.capture()
+    engine.runner.graphs, engine.drafter.graphs = graphs, draft_graphs
+    replayed = run_greedy(engine)
+    for request_id, (tokens, logprobs) in eager.items():
+        assert replayed[request_id][0] == tokens, request_id
+        assert replayed[request_id][1] == pytest.approx(logprobs, abs=1e-4), request_id
+    kinds = {shape.kind for shape in draft_graphs.replays}
+    assert "decode" in kinds and kinds & {"verify", "verify batch"}, draft_graphs.replays
+    stats, eager_stats = engine.speculator.stats, eager_engine.speculator.stats
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (eager_stats.num_draft_tokens,
+                                                                   eager_stats.num_accepted_tokens)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both verdicts
+
+
 # -- the capture on a faked card ---------------------------------------------------------
 
 
@@ -393,7 +429,8 @@ def test_verification_graphs_are_captured_at_load_and_replayed(tiny_models, capl
 
 def test_a_draft_model_on_a_fake_card_warms_up_at_load_and_drafts(tiny_models, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """On a GPU the draft model's kernels are compiled at load too (its catch-up sizes and
-    its one-token steps), under the card's rules, and it drafts on the device."""
+    its one-token steps) and its steps captured in graphs, under the card's rules, and it
+    drafts on the device."""
     from localserve.engine.speculative import SpeculativeConfig, draft_model
 
     path = tiny_models.get("llama", torch.bfloat16)[0]
@@ -411,6 +448,8 @@ def test_a_draft_model_on_a_fake_card_warms_up_at_load_and_drafts(tiny_models, m
             engine.step()
     assert engine.speculator.stats.num_accepted_tokens > 0  # the model drafting for itself
     assert engine.drafter is not None and engine.drafter.pool.num_used == 0
+    # Its steps were captured at load under the card's rules, in the model's pool, and replayed.
+    assert engine.drafter.graphs is not None and sum(engine.drafter.graphs.replays.values()) > 0
 
 
 def test_why_an_engine_runs_eagerly() -> None:

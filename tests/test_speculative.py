@@ -143,8 +143,8 @@ def test_a_new_request_drafts_where_drafting_pays_for_the_catch_up() -> None:
     class ColdDrafter(PerRequestDrafter):
         token_cost = 0.2
 
-        def unfed_tokens(self, request_id: str, length: int) -> int:
-            return length  # nothing taken in yet
+        def catch_up_cost(self, request_id: str, length: int) -> float:
+            return length * 0.2  # nothing taken in yet, each token a row of 0.2 of the weights
 
         def propose(self, request, tokens, count: int) -> list[int]:  # type: ignore[no-untyped-def]
             return [1] * count
@@ -513,6 +513,10 @@ def test_greedy_is_unchanged_with_a_draft_model(llama, tmp_path) -> None:  # typ
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert speculating.engine.stats().kv_blocks_used == 0
     assert speculating.engine.speculator.drafter.pool.num_used == 0  # type: ignore[attr-defined]
+    # Its costs, from the two files' weights: a draft token streams its layer and head, a token
+    # taken in its layer alone (one of the model's two layers: under half the model's bytes).
+    drafter = speculating.engine.drafter
+    assert drafter is not None and 0 < drafter.feed_cost < min(drafter.token_cost, 0.5)
 
 
 @pytest.mark.parametrize("cpu_blocks", [0, 64], ids=["recompute", "swap"])

@@ -18,7 +18,8 @@ the static output. The shapes:
   with padding sequences of 1 to K + 1 rows (their lengths differ from request to request,
   so they are not padded within; spare sequences take the spare rows).
 
-Prefill steps, and batches larger than the largest shape, run eagerly.
+Prefill steps, and batches larger than the largest shape, run eagerly. A draft model's steps
+are captured in the same shapes (its one-token steps, its catch-ups after verifications).
 
 What a captured forward may not do: read a value back to the host, copy from host
 memory, or take a launch decision from per-step host data. The Triton path takes its

@@ -97,7 +97,8 @@ class Engine:
         progress.step("sizing the KV cache")
         with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
-                self.config, self.model, spec, self.kv_dtype, self.device, context),
+                self.config, self.model, spec, self.kv_dtype, self.device, context,
+                draft.checkpoint.spec.hidden_size if draft else 0),
                 companion_block_bytes=draft.block_bytes(block_size) if draft else 0)
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
         # <= context: the CPU's default pool follows the free memory, read again now that
@@ -161,20 +162,29 @@ class Engine:
             log.info("CUDA graphs are off: %s; decode steps run eagerly", reason)
         else:
             shapes = cuda_graphs.graph_shapes(self.config.max_num_seqs, self.config.speculative.num_tokens)
-            graphs = cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, shapes, self.max_model_len,
-                                              self.config.block_size, self.device,
-                                              cuda_graphs.CudaGraphCapture(self.device))
+            # One pool for the model's graphs and the draft model's: one replays at a time.
+            capture = cuda_graphs.CudaGraphCapture(self.device)
+            graphs = [cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, shapes, self.max_model_len,
+                                               self.config.block_size, self.device, capture)]
+            if self.drafter is not None:  # its one-token steps, and its catch-ups after verifications
+                graphs.append(cuda_graphs.DecodeGraphs(self.drafter.model, self.drafter.kv_caches, shapes,
+                                                       self.max_model_len, self.config.block_size, self.device,
+                                                       capture))
             try:
                 with using(self.kernels), torch.inference_mode():
-                    graphs.capture()
+                    for each in graphs:
+                        each.capture()
             except torch.OutOfMemoryError:
-                del graphs  # and the pool of those captured
+                del graphs, capture  # and the pool of those captured
                 torch.cuda.empty_cache()
                 log.warning("CUDA graphs are off: capturing them ran out of GPU memory (lower "
                             "gpu_memory_utilization or max_num_seqs to leave them room)")
             else:
-                self.runner.graphs = graphs
-                log.info("CUDA graphs captured for %s", cuda_graphs.describe(shapes))
+                self.runner.graphs = graphs[0]
+                if self.drafter is not None:
+                    self.drafter.graphs = graphs[1]
+                log.info("CUDA graphs captured for %s%s", cuda_graphs.describe(shapes),
+                         "; the draft model's steps the same" if self.drafter is not None else "")
         log.info("warm-up took %.1f s", time.monotonic() - start)
 
     def _cap_to_pool(self, wanted: int, pool_tokens: int) -> int:

@@ -180,18 +180,21 @@ def estimate_activation_peak(spec: ModelSpec, num_tokens: int, max_num_seqs: int
     return num_tokens * per_token + logits
 
 
-def cuda_graph_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context: int) -> int:
-    """GPU memory the decode CUDA graphs keep (0 when none are captured), estimated from
-    the shapes as the planner's activations are: their shared pool holds the activations
-    of the largest graph's forward, each graph keeps its output rows, and all read one set
-    of static inputs (block tables as wide as ``context``)."""
+def cuda_graph_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context: int,
+                     draft_hidden_size: int = 0) -> int:
+    """GPU memory the CUDA graphs keep (0 when none are captured), estimated from the
+    shapes as the planner's activations are: their shared pool holds the activations of the
+    largest graph's forward, each graph keeps its output rows, and all read one set of
+    static inputs (block tables as wide as ``context``). A draft model (its hidden size
+    given) has the same shapes captured, in the same pool: their outputs and inputs too."""
     if why_eager(config, spec.num_layers):
         return 0
     shapes = graph_shapes(config.max_num_seqs, config.speculative.num_tokens)
     rows = max(shape.rows for shape in shapes)
-    outputs = sum(shape.rows for shape in shapes) * spec.hidden_size * torch.empty((), dtype=dtype).element_size()
+    outputs = sum(shape.rows for shape in shapes) * (spec.hidden_size + draft_hidden_size) * \
+        torch.empty((), dtype=dtype).element_size()
     static_inputs = StaticInputs.nbytes(rows, max(shape.sequences for shape in shapes),
-                                        -(-context // config.block_size))
+                                        -(-context // config.block_size)) * (2 if draft_hidden_size else 1)
     return estimate_activation_peak(spec, rows, 0, dtype) + outputs + static_inputs
 
 
@@ -248,12 +251,12 @@ def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens:
 
 
 def measured_gpu_budget(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
-                        device: torch.device, max_model_len: int) -> int:
+                        device: torch.device, max_model_len: int, draft_hidden_size: int = 0) -> int:
     """The bytes a loaded model's GPU has left for the KV pool, its largest step measured,
-    less what the decode CUDA graphs will keep."""
+    less what the CUDA graphs will keep (the draft model's too, given its hidden size)."""
     step_tokens = min(config.step_tokens(device.type), max_model_len)
     peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
-    graphs = cuda_graph_bytes(config, spec, model.dtype, max_model_len)
+    graphs = cuda_graph_bytes(config, spec, model.dtype, max_model_len, draft_hidden_size)
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization, reserve=graphs)
     log.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB peak activations, "

@@ -85,6 +85,14 @@ def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
     )
 
 
+def add_padding_rows(input_ids: list[int], positions: list[int], padding: Sequence[int]) -> None:
+    """Append the rows of padding sequences of ``padding`` rows each: token 0, from
+    position 0 (their metadata: ``attention_metadata``)."""
+    for rows in padding:
+        input_ids.extend([0] * rows)
+        positions.extend(range(rows))
+
+
 def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # type: ignore[type-arg]
     """``values`` as a tensor on ``device``. On the CPU without the .to: between a step's
     kernels every torch call runs with cold caches (~40 us where a warm loop takes 3), so
@@ -133,9 +141,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
             raise ValueError(f"cannot pad a batch of {len(batch.requests)} sequences (query lengths up to "
                              f"{max(batch.num_new_tokens)}) to {pad_to}")
         padding = fitting
-    for length in padding:
-        input_ids.extend([0] * length)
-        positions.extend(range(length))
+    add_padding_rows(input_ids, positions, padding)
     logits_rows = sample_rows + prompt_rows
     return ModelInputs(
         input_ids=host_tensor(input_ids, torch.int64, device),

@@ -149,17 +149,18 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
     context = planned_context(spec, config, device)
     step_tokens = min(config.step_tokens(device), context)
     activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
+    draft = planned_sizes(config, model_dtype, torch.device("cpu") if device == "cpu" else None)
     if gpu_memory is not None:
         total, source = gpu_memory, "the GPU's memory"
         usable, overhead = int(gpu_memory * config.gpu_memory_utilization), CUDA_OVERHEAD_ESTIMATE
-        activations += cuda_graph_bytes(config, spec, model_dtype, context)  # what the decode graphs keep
+        # What the CUDA graphs keep (the draft model's too).
+        activations += cuda_graph_bytes(config, spec, model_dtype, context, draft.hidden_size)
         cpu_moe_layers = config.cpu_moe_layers(spec.num_layers)
     else:  # all in host memory: no share of it to leave, no CUDA, no experts apart
         host = memory.available_host_memory()
         total, source, usable, overhead, cpu_moe_layers = host.available, host.source, host.available, 0, 0
     host_expert_bytes = weights.host_expert_bytes(cpu_moe_layers)
-    draft_weights, draft_block_bytes = planned_sizes(config, model_dtype,
-                                                     torch.device("cpu") if device == "cpu" else None)
+    draft_weights, draft_block_bytes = draft.weights, draft.block_bytes
     # What the memory has left once the weights, activations and CUDA are in (may be negative).
     room = usable - (weights.loaded_bytes - host_expert_bytes) - draft_weights - activations - overhead
     pools = pool_sizes(config, spec, kv_dtype, device, lambda: room, host_free=lambda: room,

@@ -55,7 +55,7 @@ def needed_bytes(path: Path, config: ServerConfig) -> int | None:
     weights = weight_sizes(checkpoint, dtype).loaded_bytes
     kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"), checkpoint.quantized_gguf)
     try:  # a draft model: its weights, and its blocks beside the pool's
-        draft_weights, draft_block_bytes = planned_sizes(engine, dtype, torch.device("cpu"))
+        draft_weights, draft_block_bytes, _ = planned_sizes(engine, dtype, torch.device("cpu"))
     except LocalserveError:
         return None
     weights += draft_weights

@@ -12,7 +12,8 @@ plain step: a drafter that keeps missing costs nothing, and where the batch is a
 enough that rows cost what they yield, drafting stops unless nearly every draft is kept.
 
 A draft model must first take in a request's tokens (its whole prompt, the first time): n
-tokens cost about n rows of a draft step, n c t. A request starts drafting only when what its
+tokens cost n rows of its layers (its head meets only a chunk's last token), n c times the
+layers' share of the served model's weights. A request starts drafting only when what its
 drafts should save over its next tokens pays for that (``pays_back``).
 """
 
@@ -67,13 +68,13 @@ class Acceptance:
         and drafting a token ``token_cost`` (a draft model's step; 0 for prompt lookup)."""
         return self._best(most, row_cost, decoding, token_cost)[0]
 
-    def pays_back(self, most: int, row_cost: float, decoding: int, token_cost: float, unfed: int,
+    def pays_back(self, most: int, row_cost: float, decoding: int, token_cost: float, catch_up: float,
                   horizon: int) -> bool:
-        """Whether drafting from now saves, over ``horizon`` more tokens, more than taking in
-        ``unfed`` tokens first costs (in one-row steps: ``unfed`` rows of a draft step)."""
+        """Whether drafting from now saves, over ``horizon`` more tokens, more than a catch-up
+        of ``catch_up`` rows of a served step's weights first costs."""
         _, speedup = self._best(most, row_cost, decoding, token_cost)
         saved = horizon * (1.0 - 1.0 / speedup)  # steps of this request's tokens, in plain steps' cost
-        return saved > unfed * row_cost * token_cost
+        return saved > catch_up * row_cost
 
     def _best(self, most: int, row_cost: float, decoding: int, token_cost: float) -> tuple[int, float]:
         """The best draft length and its tokens per cost over a plain step's."""

@@ -17,26 +17,33 @@ speculator's acceptance rule (speculator.py) keeps the output exact at any tempe
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ...errors import LocalserveError
 from ...formats import Checkpoint, open_checkpoint
 from ...formats.layout import check_tensors
-from ...formats.weights import weight_sizes
+from ...formats.weights import tensor_sizes, weight_sizes
 from ...kernels import KVCache
 from ...kernels.dispatch import KernelChoice, using
 from ...text.tokenizer import Tokenizer
 from ..config import EngineConfig
 from ..kv_cache import BlockPool, allocate_kv_tensors, kv_bytes_per_block
 from ..loading import load_model
-from ..runner import Span, attention_metadata, host_tensor, warm_up_model
+from ..cuda_graphs import DecodeGraphs
+from ..runner import Span, add_padding_rows, attention_metadata, host_tensor, warm_up_model
 from ..stats import LoadProgress
 from .drafter import DraftQuery
 
 log = logging.getLogger(__name__)
+
+# A tensor of one of the layers (blk.3.attn_q.weight, model.layers.3.mlp.up_proj.weight), not the
+# embeddings, head or final norm.
+_IN_A_LAYER = re.compile(r"\.\d+\.")
 
 # How far the two vocabularies' sizes may differ (llama.cpp allows the same): checkpoints
 # of one tokenizer often pad their embedding tables to different multiples.
@@ -57,14 +64,18 @@ class DraftModelDrafter:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], num_blocks: int, block_size: int,
                  device: torch.device, kernels: KernelChoice, vocab_limit: int, token_cost: float,
-                 step_tokens: int) -> None:
+                 feed_cost: float, step_tokens: int) -> None:
         self.model, self.kv_caches, self.device, self.kernels = model, kv_caches, device, kernels
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.vocab_limit = vocab_limit  # token ids the served model has: drafts stay below
         self.token_cost = token_cost  # a draft token's cost, as a share of one served decode step
+        self.feed_cost = feed_cost  # a token taken in: a row of its layers (a chunk's last alone meets the head)
         self.step_tokens = step_tokens  # tokens fed in one step at most (a prompt is caught up in chunks)
         self.sequences: dict[str, DraftSequence] = {}
+        # Its steps' CUDA graphs, set once captured (on CUDA): the one-token steps, and the
+        # catch-ups of a few tokens a request after a verification.
+        self.graphs: DecodeGraphs | None = None
 
     def warm_up(self, token_counts: list[int]) -> None:
         """Compile the kernels of the draft's steps before the first request (on a GPU):
@@ -139,9 +150,17 @@ class DraftModelDrafter:
 
     def _forward(self, input_ids: list[int], positions: list[int], spans: list[Span],
                  rows: list[int]) -> torch.Tensor:
-        meta = attention_metadata(spans, self.block_size, self.device)
-        hidden = self.model(host_tensor(input_ids, torch.int64, self.device),
-                            host_tensor(positions, torch.int64, self.device), self.kv_caches, meta)
+        """The logits of ``rows`` after a forward over ``spans``: a captured graph's replay
+        where one holds the step (padded as the model's are), else eagerly."""
+        shape = self.graphs.padded_shape([span.end - span.start for span in spans]) if self.graphs else None
+        padding = (shape.padding(len(spans), len(input_ids)) or []) if shape else []
+        add_padding_rows(input_ids, positions, padding)
+        ids, places = host_tensor(input_ids, torch.int64, self.device), host_tensor(positions, torch.int64, self.device)
+        meta = attention_metadata(spans, self.block_size, self.device, padding)
+        if shape is not None and self.graphs is not None:
+            hidden = self.graphs.replay(shape, ids, places, meta)
+        else:
+            hidden = self.model(ids, places, self.kv_caches, meta)
         return self.model.compute_logits(hidden[host_tensor(rows, torch.int64, self.device)])
 
     def _grow(self, sequence: DraftSequence, positions: int) -> bool:
@@ -158,9 +177,9 @@ class DraftModelDrafter:
         for request_id in [r for r in self.sequences if r not in keep]:
             self.release(request_id)  # a later catch-up refills it
 
-    def unfed_tokens(self, request_id: str, length: int) -> int:
+    def catch_up_cost(self, request_id: str, length: int) -> float:
         sequence = self.sequences.get(request_id)
-        return length - (sequence.confirmed if sequence else 0)
+        return (length - (sequence.confirmed if sequence else 0)) * self.feed_cost
 
     def release(self, request_id: str) -> None:
         sequence = self.sequences.pop(request_id, None)
@@ -178,6 +197,7 @@ class DraftModel:
     kv_dtype: torch.dtype
     vocab_limit: int
     token_cost: float
+    feed_cost: float
 
     def block_bytes(self, block_size: int) -> int:
         return kv_bytes_per_block(self.checkpoint.spec, block_size, self.kv_dtype)
@@ -186,7 +206,7 @@ class DraftModel:
                 step_tokens: int) -> DraftModelDrafter:
         caches = allocate_kv_tensors(self.checkpoint.spec, num_blocks, block_size, self.kv_dtype, device)
         return DraftModelDrafter(self.model, caches, num_blocks, block_size, device, kernels, self.vocab_limit,
-                                 self.token_cost, step_tokens)
+                                 self.token_cost, self.feed_cost, step_tokens)
 
 
 def load_draft_model(path: str | Path, target: Checkpoint, target_tokenizer: Tokenizer | None,
@@ -205,21 +225,30 @@ def load_draft_model(path: str | Path, target: Checkpoint, target_tokenizer: Tok
     draft_bytes = weight_sizes(checkpoint, dtype).loaded_bytes
     target_bytes = max(weight_sizes(target, dtype).loaded_bytes, 1)
     token_cost = min(1.0, draft_bytes / target_bytes)
+    layer_bytes = sum(tensor.loaded_bytes for tensor in tensor_sizes(checkpoint, dtype) if _IN_A_LAYER.search(tensor.name))
+    feed_cost = min(token_cost, layer_bytes / target_bytes)
     kv_dtype = config.resolve_kv_cache_dtype(dtype, device, checkpoint.quantized_gguf)
     log.info("draft model %s: %d layers, a draft token about %.0f%% of a decode step's weights", path,
              spec.num_layers, 100 * token_cost)
-    return DraftModel(model, checkpoint, kv_dtype, min(spec.vocab_size, target.spec.vocab_size), token_cost)
+    return DraftModel(model, checkpoint, kv_dtype, min(spec.vocab_size, target.spec.vocab_size), token_cost,
+                      feed_cost)
 
 
-def planned_sizes(config: EngineConfig, dtype: torch.dtype, device: torch.device | None) -> tuple[int, int]:
-    """The loaded weight bytes and the KV bytes per block of ``config``'s draft model, from
-    its metadata, for a plan before any load (``fit``, the daemon's estimate; ``device``
-    None: a GPU planned for); (0, 0) without one."""
+class DraftSizes(NamedTuple):
+    weights: int  # loaded weight bytes
+    block_bytes: int  # KV bytes per block
+    hidden_size: int  # of its hidden states (what its CUDA graphs' outputs hold per row)
+
+
+def planned_sizes(config: EngineConfig, dtype: torch.dtype, device: torch.device | None) -> DraftSizes:
+    """The sizes of ``config``'s draft model, from its metadata, for a plan before any load
+    (``fit``, the daemon's estimate; ``device`` None: a GPU planned for); zeros without one."""
     if config.speculative.draft_model is None:
-        return 0, 0
+        return DraftSizes(0, 0, 0)
     draft = open_checkpoint(config.speculative.draft_model)
     kv_dtype = config.resolve_kv_cache_dtype(dtype, device, draft.quantized_gguf)
-    return weight_sizes(draft, dtype).loaded_bytes, kv_bytes_per_block(draft.spec, config.block_size, kv_dtype)
+    return DraftSizes(weight_sizes(draft, dtype).loaded_bytes, kv_bytes_per_block(draft.spec, config.block_size, kv_dtype),
+                      draft.spec.hidden_size)
 
 
 def check_vocabulary(path: str | Path, draft: Checkpoint, target: Checkpoint, target_tokenizer: Tokenizer | None) -> None:

@@ -34,10 +34,11 @@ class Drafter(Protocol):
         """The request is done (finished or cancelled): what is kept for it goes."""
         ...
 
-    def unfed_tokens(self, request_id: str, length: int) -> int:
-        """How many of the request's ``length`` tokens the drafter would have to take in
-        before its first proposal (a draft model's catch-up; 0 for a drafter that keeps
-        nothing)."""
+    def catch_up_cost(self, request_id: str, length: int) -> float:
+        """What taking in the request's tokens (``length`` so far) that it lacks costs the
+        drafter before its next proposal, in rows of a served decode step (a draft model's
+        catch-up: the tokens times its layers' share of the weights; 0 for a drafter that
+        keeps nothing)."""
         ...
 
 
@@ -56,5 +57,5 @@ class PerRequestDrafter:
     def release(self, request_id: str) -> None:
         pass
 
-    def unfed_tokens(self, request_id: str, length: int) -> int:
-        return 0
+    def catch_up_cost(self, request_id: str, length: int) -> float:
+        return 0.0

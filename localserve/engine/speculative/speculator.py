@@ -168,9 +168,9 @@ class Speculator:
                    length: int) -> bool:
         """Whether drafting pays for the drafter's catch-up on the request's tokens (a new
         request's whole prompt) over its next tokens (adaptive.py)."""
-        unfed = drafter.unfed_tokens(request.request_id, length)
+        catch_up = drafter.catch_up_cost(request.request_id, length)
         horizon = min(request.params.max_tokens - request.num_output_tokens, PAYBACK_HORIZON)
-        return unfed <= 1 or acceptance.pays_back(most, self.row_cost, decoding, drafter.token_cost, unfed, horizon)
+        return acceptance.pays_back(most, self.row_cost, decoding, drafter.token_cost, catch_up, horizon)
 
     def _could_pay(self, most: int, decoding: int, token_cost: float) -> bool:
         """Whether drafts that are always kept would pay in a step of ``decoding`` requests
