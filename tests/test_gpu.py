@@ -3,7 +3,8 @@ them with the other ``gpu``-marked tests, the Triton kernels' own):
 
 - decode steps captured as CUDA graphs at load and replayed give the tokens and logprobs of
   the same engine run eagerly, and transformers' greedy tokens; so do one sequence's steps
-  verifying draft tokens (speculative decoding's graphs);
+  verifying draft tokens (speculative decoding's graphs), and batches of several sequences
+  verifying drafts with a draft model whose own steps replay graphs too;
 - the sampler on the device draws in proportion to the filtered distribution at a real
   vocabulary, seeded rows repeat, greedy is the argmax.
 """
@@ -65,6 +66,34 @@ def test_verification_graphs_equal_eager_steps(llama) -> None:  # type: ignore[n
         assert tokens == hf_greedy(hf, prompt, 12), seed
     assert any(shape.kind == "verify" for shape in graphs.replays)
     assert engine.speculator.stats.num_drafts > 0
+
+
+def test_batches_verifying_a_draft_models_drafts_replay_graphs(llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """ARRIVALS' requests drafted by a draft model (the model's first layer: both verdicts):
+    batches of several sequences verifying drafts replay the batch shapes, the draft's steps
+    its own graphs, and every request gets the eager engine's tokens, which are plain greedy
+    decoding's."""
+    from localserve.engine.speculative import SpeculativeConfig
+
+    from .test_speculative import draft_config, shallow_copy
+
+    path, hf = llama
+    config = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=32,
+                          speculative=draft_config(shallow_copy(hf, tmp_path / "draft")))
+    engine = Engine(path, config, device="cuda", dtype=torch.float32)
+    assert engine.runner.graphs is not None and engine.drafter is not None and engine.drafter.graphs is not None
+    replayed = run_greedy(engine)
+    eager = run_greedy(Engine(path, dataclasses.replace(config, disable_cuda_graphs=True), device="cuda",
+                              dtype=torch.float32))
+    plain = run_greedy(Engine(path, dataclasses.replace(config, disable_cuda_graphs=True,
+                                                        speculative=SpeculativeConfig()),
+                              device="cuda", dtype=torch.float32))
+    for request_id, (tokens, _) in eager.items():
+        assert replayed[request_id][0] == tokens == plain[request_id][0], request_id
+    assert any(shape.kind == "verify batch" for shape in engine.runner.graphs.replays), engine.runner.graphs.replays
+    assert sum(engine.drafter.graphs.replays.values()) > 0
+    stats = engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def sampling_rows(count: int, seed: int | None = None, **params: object) -> list[SamplingRow]:
