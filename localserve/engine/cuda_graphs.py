@@ -5,9 +5,9 @@ load, instead of launching its hundreds of kernels one by one from Python.
 A graph replays fixed kernels on fixed addresses, so it is captured once per *shape*
 (``GraphShape``: sequences, rows, the longest sequence's rows) over static input buffers.
 A batch runs in the smallest shape that holds it: the runner adds padding sequences of
-one to ``query_len`` rows each that write no cache slot (slot -1) and attend only to
-themselves, copies the batch into the static buffers, replays, and reads the real rows of
-the static output. The shapes:
+one to ``query_len`` rows each that write no cache slot (slot -1) and read only block 0
+(their outputs are dropped), copies the batch into the static buffers, replays, and reads
+the real rows of the static output. The shapes:
 
 - decode buckets: 1, 2, 4, then every multiple of 8 sequences of one token, as vLLM does;
 - with speculative decoding (``num_speculative_tokens`` K), one sequence of exactly
