@@ -116,6 +116,22 @@ def replayed_capture(forward: Callable[[], torch.Tensor]) -> tuple[ReplayedForwa
     return ReplayedForward(forward, out), out
 
 
+def replay_graphs(engine: Engine, shapes: list[GraphShape]) -> DecodeGraphs:
+    """Capture the engine's graphs of ``shapes`` with ``replayed_capture`` (and its draft
+    model's, when it has one) and have its steps replay them: the model's graphs."""
+    def captured(model: torch.nn.Module, kv_caches: list) -> DecodeGraphs:  # type: ignore[type-arg]
+        graphs = DecodeGraphs(model, kv_caches, shapes, engine.max_model_len, engine.config.block_size,
+                              engine.device, replayed_capture)
+        with using(engine.kernels), torch.inference_mode():
+            graphs.capture()
+        return graphs
+
+    engine.runner.graphs = captured(engine.model, engine.runner.kv_caches)
+    if engine.drafter is not None:
+        engine.drafter.graphs = captured(engine.drafter.model, engine.drafter.kv_caches)
+    return engine.runner.graphs
+
+
 @pytest.fixture
 def triton_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kernel dispatches to Triton (in the interpreter) on CPU tensors."""
@@ -153,11 +169,7 @@ def test_replayed_decode_steps_equal_eager_steps(llama, triton_on_cpu, monkeypat
     eager = run_greedy(Engine(path, config, device="cpu"))
 
     engine = Engine(path, config, device="cpu")
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, graph_shapes(4), engine.max_model_len,
-                          config.block_size, engine.device, replayed_capture)
-    with using(engine.kernels), torch.inference_mode():
-        graphs.capture()
-    engine.runner.graphs = graphs
+    graphs = replay_graphs(engine, graph_shapes(4))
     padded: Counter[tuple[int, int | None]] = Counter()  # (sequences, the bucket's)
     real_prepare = runner.prepare_inputs
 
@@ -257,11 +269,7 @@ def test_replayed_verification_steps_equal_eager_steps(llama, triton_on_cpu) -> 
     eager_engine = Engine(path, config, device="cpu")
     eager = run(eager_engine)
     engine = Engine(path, config, device="cpu")
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, graph_shapes(4, 4), engine.max_model_len,
-                          config.block_size, engine.device, replayed_capture)
-    with using(engine.kernels), torch.inference_mode():
-        graphs.capture()
-    engine.runner.graphs = graphs
+    graphs = replay_graphs(engine, graph_shapes(4, 4))
     replayed = run(engine)
     for (tokens, logprobs), (ours, our_logprobs) in zip(eager, replayed):
         assert ours == tokens
@@ -295,11 +303,7 @@ def test_replayed_batches_verifying_drafts_equal_eager_steps(llama, triton_on_cp
     eager_engine = engine_with_drafts()
     eager = run_greedy(eager_engine)
     engine = engine_with_drafts()
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, graph_shapes(4, 4), engine.max_model_len,
-                          config.block_size, engine.device, replayed_capture)
-    with using(engine.kernels), torch.inference_mode():
-        graphs.capture()
-    engine.runner.graphs = graphs
+    graphs = replay_graphs(engine, graph_shapes(4, 4))
     replayed = run_greedy(engine)
     assert sorted(replayed) == sorted(eager) == [str(i) for i in range(len(ARRIVALS))]
     for request_id, (tokens, logprobs) in eager.items():
@@ -326,15 +330,9 @@ def test_a_draft_model_drafts_through_replayed_graphs(llama, triton_on_cpu, tmp_
     eager = run_greedy(eager_engine)
     engine = Engine(path, config, device="cpu")
     assert engine.drafter is not None
-    shapes = graph_shapes(4, 4)
-    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, shapes, engine.max_model_len, config.block_size,
-                          engine.device, replayed_capture)
-    draft_graphs = DecodeGraphs(engine.drafter.model, engine.drafter.kv_caches, shapes, engine.max_model_len,
-                                config.block_size, engine.device, replayed_capture)
-    with using(engine.kernels), torch.inference_mode():
-        graphs.capture()
-        draft_graphs.capture()
-    engine.runner.graphs, engine.drafter.graphs = graphs, draft_graphs
+    replay_graphs(engine, graph_shapes(4, 4))
+    draft_graphs = engine.drafter.graphs
+    assert draft_graphs is not None
     replayed = run_greedy(engine)
     for request_id, (tokens, logprobs) in eager.items():
         assert replayed[request_id][0] == tokens, request_id
