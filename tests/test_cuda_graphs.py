@@ -119,17 +119,14 @@ def replayed_capture(forward: Callable[[], torch.Tensor]) -> tuple[ReplayedForwa
 def replay_graphs(engine: Engine, shapes: list[GraphShape]) -> DecodeGraphs:
     """Capture the engine's graphs of ``shapes`` with ``replayed_capture`` (and its draft
     model's, when it has one) and have its steps replay them: the model's graphs."""
-    def captured(model: torch.nn.Module, kv_caches: list) -> DecodeGraphs:  # type: ignore[type-arg]
-        graphs = DecodeGraphs(model, kv_caches, shapes, engine.max_model_len, engine.config.block_size,
-                              engine.device, replayed_capture)
-        with using(engine.kernels), torch.inference_mode():
-            graphs.capture()
-        return graphs
-
-    engine.runner.graphs = captured(engine.model, engine.runner.kv_caches)
+    graphs = DecodeGraphs(engine.model, engine.runner.kv_caches, shapes, engine.max_model_len,
+                          engine.config.block_size, engine.device, replayed_capture)
+    with using(engine.kernels), torch.inference_mode():
+        graphs.capture()
+    engine.runner.graphs = graphs
     if engine.drafter is not None:
-        engine.drafter.graphs = captured(engine.drafter.model, engine.drafter.kv_caches)
-    return engine.runner.graphs
+        engine.drafter.capture_graphs(shapes, engine.max_model_len, replayed_capture)
+    return graphs
 
 
 @pytest.fixture

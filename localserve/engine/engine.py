@@ -164,25 +164,20 @@ class Engine:
             shapes = cuda_graphs.graph_shapes(self.config.max_num_seqs, self.config.speculative.num_tokens)
             # One pool for the model's graphs and the draft model's: one replays at a time.
             capture = cuda_graphs.CudaGraphCapture(self.device)
-            graphs = [cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, shapes, self.max_model_len,
-                                               self.config.block_size, self.device, capture)]
-            if self.drafter is not None:  # its one-token steps, and its catch-ups after verifications
-                graphs.append(cuda_graphs.DecodeGraphs(self.drafter.model, self.drafter.kv_caches, shapes,
-                                                       self.max_model_len, self.config.block_size, self.device,
-                                                       capture))
+            graphs = cuda_graphs.DecodeGraphs(self.model, self.runner.kv_caches, shapes, self.max_model_len,
+                                              self.config.block_size, self.device, capture)
             try:
                 with using(self.kernels), torch.inference_mode():
-                    for each in graphs:
-                        each.capture()
+                    graphs.capture()
+                if self.drafter is not None:
+                    self.drafter.capture_graphs(shapes, self.max_model_len, capture)
             except torch.OutOfMemoryError:
                 del graphs, capture  # and the pool of those captured
                 torch.cuda.empty_cache()
                 log.warning("CUDA graphs are off: capturing them ran out of GPU memory (lower "
                             "gpu_memory_utilization or max_num_seqs to leave them room)")
             else:
-                self.runner.graphs = graphs[0]
-                if self.drafter is not None:
-                    self.drafter.graphs = graphs[1]
+                self.runner.graphs = graphs
                 log.info("CUDA graphs captured for %s%s", cuda_graphs.describe(shapes),
                          "; the draft model's steps the same" if self.drafter is not None else "")
         log.info("warm-up took %.1f s", time.monotonic() - start)

@@ -34,7 +34,7 @@ from ...text.tokenizer import Tokenizer
 from ..config import EngineConfig
 from ..kv_cache import BlockPool, allocate_kv_tensors, kv_bytes_per_block
 from ..loading import load_model
-from ..cuda_graphs import DecodeGraphs
+from ..cuda_graphs import Capture, DecodeGraphs, GraphShape
 from ..runner import Span, add_padding_rows, attention_metadata, host_tensor, warm_up_model
 from ..stats import LoadProgress
 from .drafter import DraftQuery
@@ -73,15 +73,21 @@ class DraftModelDrafter:
         self.feed_cost = feed_cost  # a token taken in: a row of its layers (a chunk's last alone meets the head)
         self.step_tokens = step_tokens  # tokens fed in one step at most (a prompt is caught up in chunks)
         self.sequences: dict[str, DraftSequence] = {}
-        # Its steps' CUDA graphs, set once captured (on CUDA): the one-token steps, and the
-        # catch-ups of a few tokens a request after a verification.
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # set once captured (capture_graphs, on CUDA)
 
     def warm_up(self, token_counts: list[int]) -> None:
         """Compile the kernels of the draft's steps before the first request (on a GPU):
         its catch-up sizes, and its one-token decode steps."""
         warm_up_model(self.model, self.kv_caches, self.block_size, self.device, self.kernels,
                       sorted({1, *token_counts}))
+
+    def capture_graphs(self, shapes: list[GraphShape], max_model_len: int, capture: Capture) -> None:
+        """Capture its steps' CUDA graphs in the model's shapes (its one-token steps, and its
+        catch-ups of a few tokens a request after a verification; prompts run eagerly)."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, shapes, max_model_len, self.block_size, self.device, capture)
+        with using(self.kernels), torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
 
     def propose_all(self, queries: list[DraftQuery]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in queries]
