@@ -67,7 +67,8 @@ def test_threads_default_to_the_physical_cores_this_process_may_use() -> None:
 
     usable = len(os.sched_getaffinity(0))
     assert EngineConfig().cpu_threads() == min(psutil.cpu_count(logical=False) or usable, usable)
-    assert EngineConfig(threads=3).cpu_threads() == 3
+    assert EngineConfig(threads=1).cpu_threads() == 1
+    assert EngineConfig(threads=usable + 1).cpu_threads() == usable  # no more threads than CPUs to run them
     with pytest.raises(LocalserveError, match="threads"):
         EngineConfig(threads=0)
 

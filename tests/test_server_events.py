@@ -65,9 +65,11 @@ def test_a_failed_load_and_a_500_are_events(tmp_path: Path) -> None:
     with running_server(config, load=broken) as server:
         answer = httpx.post(f"{server.url}/v1/completions", json={"model": "stories", "prompt": "hi"})
         assert answer.status_code == 500
+        request_id = answer.headers["x-request-id"]
+        assert request_id in answer.json()["error"]["message"]
         assert [(e["kind"], e["model"], e["message"]) for e in events(server.url)] == [
             ("load_failed", "stories", "the device caught fire"),
-            ("error", None, "RuntimeError serving POST /v1/completions")]
+            ("error", None, f"RuntimeError serving POST /v1/completions (request id {request_id})")]
 
 
 def test_the_event_log_is_bounded_and_numbered() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,13 +17,15 @@ from .. import __version__
 from click.core import ParameterSource
 
 from .options import config_file_option, default_config_path, env_for_every_option, reread
-from ..engine.config import KV_CACHE_DTYPES, EngineConfig
+from ..engine.config import KV_CACHE_DTYPES, MAX_THREADS, EngineConfig
 from ..engine.speculative.config import MAX_DRAFT_TOKENS, METHODS, SpeculativeConfig
 from ..errors import LocalserveError
 
 if TYPE_CHECKING:
     from .run_backends import Backend
 
+# Set (to anything), an unexpected error shows its traceback instead of one line.
+DEBUG_ENV = "LOCALSERVE_DEBUG"
 _DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
              for f in dataclasses.fields(EngineConfig)}
 
@@ -107,7 +111,8 @@ def engine_options(command: Callable[..., None]) -> Callable[..., None]:
         option("--enable-prefix-caching/--no-enable-prefix-caching", "Share the KV of equal prompt prefixes."),
         option("--cpu-moe", "Keep the MoE experts of the first N layers (bare flag: all) in host memory and run "
                "them on the CPU.", type=LayerCount(), is_flag=False, flag_value="all"),
-        option("--threads", "CPU threads for the model's kernels; default: the physical cores.", type=int),
+        option("--threads", "CPU threads for the model's kernels; default: the physical cores; at most the CPUs "
+               "this process may use.", type=click.IntRange(1, MAX_THREADS)),
         option("--exact-cpu-matmul/--no-exact-cpu-matmul", "Keep activations in fp32 in every CPU matmul instead "
                "of rounding them to int8 for GGUF's types as llama.cpp does, and an auto KV cache in fp32 (slower)."),
         option("--disable-cuda-graphs/--no-disable-cuda-graphs", "On a GPU, run decode steps eagerly instead of "
@@ -158,14 +163,40 @@ def engine_config(options: dict[str, object]) -> EngineConfig:
 
 
 class _Commands(click.Group):
-    """Every command's LocalserveError (bad input, a bad file, an unknown name) ends as a
-    one-line error and exit status 1, without a traceback."""
+    """Every command's failure ends as one line and exit status 1, never a traceback: a
+    LocalserveError (bad input, a bad file, an unknown name) as its message, an OSError
+    (no permission, a full disk, a name too long) as what the system said of which file,
+    anything else as an internal error (a bug), whose traceback LOCALSERVE_DEBUG=1 shows."""
 
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except LocalserveError as exc:
             raise click.ClickException(str(exc)) from exc
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: usage errors, --help, Ctrl-C at a prompt
+        except OSError as exc:
+            if exc.errno == errno.EPIPE or os.environ.get(DEBUG_ENV):
+                raise  # a closed pipe (`| head`) click ends quietly
+            raise click.ClickException(_os_error_line(exc)) from exc
+        except Exception as exc:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            raise click.ClickException(f"internal error (a bug): {type(exc).__name__}: {_shortened(str(exc))} "
+                                       f"(run again with {DEBUG_ENV}=1 to see the traceback)") from exc
+
+
+def _os_error_line(exc: OSError) -> str:
+    """What the system refused and of which files, e.g. ``/x/blobs/tmp-1: No space left on device``."""
+    reason = exc.strerror or str(exc)
+    names = [_shortened(os.fsdecode(name)) for name in (exc.filename, exc.filename2) if name is not None]
+    return f"{', '.join(names)}: {reason}" if names else reason
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    """The first line of ``text``, cut short: a 10,000-character name would fill the terminal."""
+    line = next(iter(text.strip().splitlines()), "")
+    return line if len(line) <= limit else f"{line[:60]}... ({len(line):,} characters)"
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -277,7 +308,7 @@ def model_source(value: str) -> tuple[str, Path]:
                    "(in LOCALSERVE_MODEL: separated by spaces). SIGHUP re-reads the config file's list.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key.")
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(min=1, max=65535))
 @click.option("--ollama-port", default=None, type=click.IntRange(min=1, max=65535),
               help="Also listen on this port (Ollama's is 11434), for clients that only know Ollama's address.")
 @click.option("--api-key", default=None,
@@ -327,7 +358,7 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ol
         keep_alive_s = parse_keep_alive(keep_alive)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--keep-alive") from exc
-    from ..registry import default_home
+    from ..registry import default_home, open_registry
     from ..registry.builtin import DEMO
 
     # With no --model, the built-in demo model is loaded at start: a fresh machine serves it.
@@ -342,6 +373,7 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ol
 
 
 env_for_every_option(serve)
+    open_registry(default_home())  # a home that cannot be used is one line here, not a failed start
 
 
 def _model_list_on_reload(config_file: Path | None) -> Callable[[], dict[str, Path]] | None:

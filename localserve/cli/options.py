@@ -27,6 +27,7 @@ import click
 from ..errors import LocalserveError
 
 ENV_PREFIX = "LOCALSERVE_"
+MAX_CONFIG_BYTES = 1 << 20  # a config file of every option takes a few KiB
 
 
 def default_config_path() -> Path:
@@ -48,12 +49,7 @@ def option_keys(command: click.Command) -> dict[str, click.Option]:
 
 def read_config(path: Path, command: click.Command) -> dict[str, Any]:
     """The settings in the TOML file ``path``, keyed by ``command``'s parameter names."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise LocalserveError(f"{path}: cannot read the config file ({exc.strerror})") from exc
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise LocalserveError(f"{path}: not a valid TOML file: {exc}") from exc
+    data = _parse_toml(path)
     keys = option_keys(command)
     settings: dict[str, Any] = {}
     for key, value in data.items():
@@ -65,10 +61,31 @@ def read_config(path: Path, command: click.Command) -> dict[str, Any]:
                                   f"`localserve {command.name}` without the dashes")
         if isinstance(value, dict):
             raise LocalserveError(f"{path}: {key!r} must be a value, not a table")
+        if isinstance(value, list) and any(isinstance(item, (list, dict)) for item in value):
+            raise LocalserveError(f"{path}: {key!r} must be a value or a list of values, not of lists or tables")
         if option.multiple and not isinstance(value, list):
             value = [value]
         settings[option.name] = value  # type: ignore[index]
     return settings
+
+
+def _parse_toml(path: Path) -> dict[str, Any]:
+    """The file's TOML, refused with one line naming it when it cannot be read, is no TOML,
+    or is larger or more deeply nested than a config file ever is (tomllib recurses once
+    per nested array or table, so a hostile file would exhaust the stack)."""
+    try:
+        with path.open("rb") as file:
+            raw = file.read(MAX_CONFIG_BYTES + 1)  # a bounded read: the path may be /dev/zero or huge
+    except OSError as exc:
+        raise LocalserveError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise LocalserveError(f"{path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, more than a config file holds")
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise LocalserveError(f"{path}: not a valid TOML file: {exc}") from exc
+    except RecursionError:
+        raise LocalserveError(f"{path}: not a valid config file: arrays or tables nested too deeply") from None
 
 
 def config_file_option(command: click.Command) -> click.Command:

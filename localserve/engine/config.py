@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -12,12 +14,22 @@ from .speculative.config import SpeculativeConfig
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 # kv_cache_dtype names: "auto" is the model's dtype (see resolve_kv_cache_dtype); fp16 and bf16 store K/V in half the
 # bytes of an fp32 model's (the CPU's kernels widen them as they read); int8 and fp8 make
 # an 8-bit cache with a scale per token and head. The torch dtype of each choice, by name:
 # the CLI reads this table without importing torch.
 KV_CACHE_DTYPES = {"auto": None, "fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8",
                    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+# More threads than this is a typo, not a machine (cpu_threads uses at most the CPUs there are).
+MAX_THREADS = 4096
+
+
+@functools.cache  # once per process: cpu_threads is asked at every load and by the start-up summary
+def _note_fewer_threads(asked: int, usable: int) -> None:
+    log.warning("threads %d is more than the %d CPUs this process may use: running %d", asked, usable, usable)
 
 
 @dataclass(slots=True)
@@ -75,7 +87,7 @@ class EngineConfig:
             (self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks must not be negative"),
             (self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}"),
-            (self.threads is None or self.threads >= 1, "threads must be at least 1"),
+            (self.threads is None or 1 <= self.threads <= MAX_THREADS, f"threads must be from 1 to {MAX_THREADS}"),
             (self.cpu_moe == "all" or (type(self.cpu_moe) is int and self.cpu_moe >= 0),
              f"cpu_moe must be a number of layers or 'all', not {self.cpu_moe!r}"),
         ]
@@ -97,13 +109,17 @@ class EngineConfig:
         return replace(self, max_num_batched_tokens=self.step_tokens(device_type))
 
     def cpu_threads(self) -> int:
-        """``threads``, or the physical cores of the CPUs this process may run on."""
-        if self.threads:
-            return self.threads
-        import psutil
-
+        """``threads``, or the physical cores of the CPUs this process may run on; never
+        more threads than those CPUs: more only take turns on them (each parallel region
+        waits for its slowest thread), and tens of thousands crash OpenMP."""
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(psutil.cpu_count(logical=False) or usable, usable))
+        if self.threads is None:
+            import psutil
+
+            return max(1, min(psutil.cpu_count(logical=False) or usable, usable))
+        if self.threads > usable:
+            _note_fewer_threads(self.threads, usable)
+        return min(self.threads, usable)
 
     def cpu_moe_layers(self, num_layers: int) -> int:
         """How many leading layers keep their experts in host memory."""

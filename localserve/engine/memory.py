@@ -142,12 +142,31 @@ def most_pool_tokens(config: EngineConfig, spec: ModelSpec, kv_dtype: torch.dtyp
     """The most tokens the device pool can ever hold, known before the model is built: the
     pool the options give, or on a GPU measured later, all of the GPU's memory. Tables the
     model sizes by the context (rotary cos/sin) need no more positions, whatever context a
-    checkpoint declares."""
+    checkpoint declares. Pools larger than the memory there is are refused here, before
+    anything is loaded (``check_pools_fit``)."""
     def whole_device() -> int:
         return torch.cuda.get_device_properties(device).total_memory
 
     pools = pool_sizes(config, spec, kv_dtype, device.type, whole_device)
+    check_pools_fit(pools, device)
     return max(1, pools.device_blocks) * config.block_size
+
+
+def check_pools_fit(pools: PoolSizes, device: torch.device) -> None:
+    """Refuse a device pool larger than all of the device's memory (the host's RAM for the
+    CPU) or a CPU tier larger than the host's RAM: options such as ``kv_cache_memory=1024TiB``
+    would otherwise be handed to the allocator, which swaps for minutes or crashes."""
+    import psutil
+
+    host = psutil.virtual_memory().total
+    on_device = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
+    where = "the GPU's" if device.type == "cuda" else "this host's"
+    if pools.device_budget > on_device:
+        raise LocalserveError(f"a KV cache of {human_bytes(pools.device_budget)} ({pools.reason}) is more than all "
+                              f"{human_bytes(on_device)} of {where} memory; ask for less")
+    if pools.cpu_blocks * pools.block_bytes > host:
+        raise LocalserveError(f"a CPU tier of {human_bytes(pools.cpu_blocks * pools.block_bytes)} is more than all "
+                              f"{human_bytes(host)} of this host's memory; lower cpu_offload_gb (--cpu-offload-gb)")
 
 
 def context_limit(spec: ModelSpec, max_model_len: int | None) -> int:

@@ -3,6 +3,7 @@ sources models are pulled from."""
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 from pathlib import Path
@@ -40,9 +41,15 @@ def resolve_model(text: str, registry: Registry | None = None) -> Path:
     """A checkpoint path from what a user typed: an existing file or folder, else a
     registry name (``name[:tag]``)."""
     path = Path(text).expanduser()
-    if path.exists():
-        return path
-    return (registry or open_registry()).path(text)
+    try:
+        if path.exists():
+            return path
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        # No file can have that name: it can only be a registry name (parse_name says what is wrong with it).
+    name = parse_name(text)  # before the registry is opened: a bad name touches no disk
+    return (registry or open_registry()).path(name)
 
 
 __all__ = ["DEFAULT_TAG", "ModelFile", "ModelName", "ModelRecord", "Registry", "UnknownModelError",

@@ -12,7 +12,8 @@ import hashlib
 import os
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import LocalserveError
@@ -69,7 +70,7 @@ class BlobStore:
         temporary = self.root / f"tmp-{uuid.uuid4().hex}"
         sha = hashlib.sha256()
         try:
-            with open(source, "rb") as reader, open(temporary, "wb") as writer:
+            with self._storing(str(source)), open(source, "rb") as reader, open(temporary, "wb") as writer:
                 fcntl.flock(writer, fcntl.LOCK_EX)  # not an orphan while this runs (see _remove_orphans)
                 while chunk := reader.read(_CHUNK):
                     sha.update(chunk)
@@ -84,13 +85,22 @@ class BlobStore:
         """Store ``data`` (a model's settings, a license text); returns its digest."""
         temporary = self.root / f"tmp-{uuid.uuid4().hex}"
         try:
-            with open(temporary, "wb") as writer:
+            with self._storing("data"), open(temporary, "wb") as writer:
                 fcntl.flock(writer, fcntl.LOCK_EX)
                 writer.write(data)
                 writer.flush()
                 return self._commit(temporary, f"sha256-{hashlib.sha256(data).hexdigest()}", None, "data")
         finally:
             temporary.unlink(missing_ok=True)
+
+    @contextmanager
+    def _storing(self, what: str) -> Iterator[None]:
+        """A copy the disk refuses (full, read-only) as one line that names the store: a
+        failed write's OSError names no file."""
+        try:
+            yield
+        except OSError as exc:
+            raise LocalserveError(f"cannot store {what} in {self.root} ({exc.strerror or exc})") from exc
 
     def commit_partial(self, partial: Path, expected: str | None = None, what: str = "download") -> str:
         """Hash a finished download and move it into place; a mismatch deletes it."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..errors import LocalserveError
 
 DEFAULT_TAG = "latest"
+MAX_NAME_LENGTH = 300  # characters of a whole namespace/name:tag
 _COMPONENT = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 
 
@@ -36,8 +37,11 @@ def _check_component(part: str, what: str, text: str) -> None:
 
 def parse_name(text: str) -> ModelName:
     """``name[:tag]`` (case-insensitive; the tag defaults to ``latest``)."""
-    if not isinstance(text, str) or len(text) > 300:
+    if not isinstance(text, str):
         raise LocalserveError("a model name must be a short string like name:tag")
+    if len(text) > MAX_NAME_LENGTH:
+        raise LocalserveError(f"{text[:40]!r}... is not a valid model name: {len(text):,} characters, more than "
+                              f"{MAX_NAME_LENGTH}")
     if any(unicodedata.category(char) == "Cc" for char in text):
         # Refused, not stripped: 'x\n' must not quietly become x:latest.
         raise LocalserveError(f"{text!r} is not a valid model name: it holds a control character")

@@ -14,7 +14,8 @@ import datetime as dt
 import hashlib
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,20 +91,41 @@ def _now() -> str:
 class Registry:
     def __init__(self, home: Path) -> None:
         self.home = home
-        home.mkdir(parents=True, exist_ok=True)
-        self.blobs = BlobStore(home / "blobs")
         self.links = home / "models"
+def _catalogue_problem(path: Path, exc: sqlite3.DatabaseError) -> str:
+    if isinstance(exc, sqlite3.OperationalError):  # the file is sqlite's, the disk or its permissions refuse
+        return f"cannot use the registry {path}: {exc}"
+    return f"{path} is not a localserve registry ({exc}); move it away and localserve starts a new one"
+
+
+def _home_problem(home: Path, exc: OSError) -> str:
+    if isinstance(exc, FileExistsError) and exc.filename == str(home):
+        reason = "it is a file, not a folder"
+    else:
+        reason = exc.strerror or str(exc)
+        if exc.filename is not None and exc.filename != str(home):
+            reason += f": {exc.filename}"
+    return (f"cannot use {home} as localserve's home ({reason}); set LOCALSERVE_HOME to a folder this user "
+            "can write")
+
+
         self._settings: dict[str, ModelSettings] = {}  # by blob digest: a blob's content never changes
         # One connection, used by one thread at a time (the daemon's event loop, or the CLI).
-        self.db = sqlite_utils.Database(sqlite3.connect(home / "registry.db", check_same_thread=False))
+        self.db = sqlite_utils.Database(sqlite3.connect(self.home / "registry.db", check_same_thread=False))
         self.db.enable_wal()
         self.db.conn.execute("PRAGMA busy_timeout = 10000")  # the daemon and the CLI may write at once
         new = "models" not in self.db.table_names()
-        with self.db.conn:
+        with self._transaction():
             self.db["models"].create({
                 "id": str, "name": str, "tag": str, "format": str, "architecture": str, "quantization": str,
                 "parameters": int, "active_parameters": int, "context_length": int, "size": int, "source": str,
                 "license": str, "created": str, "last_used": str,
+        with self._disk_failures_explained():
+            self._open()
+
+    def _open(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.home / "blobs")
             }, pk="id", if_not_exists=True)
             if "license" not in self.db["models"].columns_dict:  # a catalogue from before licenses were kept
                 self.db["models"].add_column("license", str)
@@ -124,6 +146,24 @@ class Registry:
         row = self._row(parsed)
         if row is None:
             raise UnknownModelError(f"model {str(parsed)!r} is not in the registry (see `localserve list`; "
+    @contextmanager
+    def _disk_failures_explained(self) -> Iterator[None]:
+        """A home or catalogue the disk refuses (a file where the folder should be, no
+        permission, a full disk, a registry.db that is no sqlite file) ends as one line
+        that names it: the user's to fix, not a bug."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            raise LocalserveError(_catalogue_problem(self.home / "registry.db", exc)) from exc
+        except OSError as exc:
+            raise LocalserveError(_home_problem(self.home, exc)) from exc
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction of the catalogue (rolled back on any error)."""
+        with self._disk_failures_explained(), self.db.conn:
+            yield
+
                                     "`localserve pull` adds one)")
         return self._record(row)
 
@@ -194,7 +234,7 @@ class Registry:
         return folder / record.entry if record.entry else folder
 
     def touch(self, name: ModelName) -> None:
-        with self.db.conn:
+        with self._transaction():
             self.db["models"].update(str(name), {"last_used": _now()})
 
     # -- changing -----------------------------------------------------------------------
@@ -211,7 +251,7 @@ class Registry:
         record.created = record.created or _now()
         model_id = str(record.name)
         row = {key: value for key, value in record.as_dict().items() if key not in ("files", "name")}
-        with self.db.conn:
+        with self._transaction():
             orphans = self._delete_rows(model_id)
             self.db["models"].insert({"id": model_id, "name": record.name.name, "tag": record.name.tag, **row})
             self.db["files"].insert_all({"model": model_id, "name": f.name, "role": f.role, "digest": f.digest,
@@ -230,7 +270,7 @@ class Registry:
     def remove(self, name: str) -> list[str]:
         """Unregister ``name``; deletes the blobs no other model uses and returns them."""
         record = self.get(name)
-        with self.db.conn:
+        with self._transaction():
             candidates = self._delete_rows(str(record.name))
         orphans = [d for d in candidates if not self._referenced(d)]
         self.blobs.remove(orphans)

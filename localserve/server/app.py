@@ -17,6 +17,7 @@ from starlette.middleware.cors import CORSMiddleware
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
 from ..engine.stats import LoadProgress
+from ..errors import LocalserveError
 from . import admin_api, anthropic_api, embeddings, errors, ollama_api, ollama_models, openai_api
 from .guard import Guard, GuardState, is_loopback
 from .metrics import Metrics
@@ -116,6 +117,8 @@ async def _preload(state: ServerState) -> None:
     for name in state.config.preload:
         try:
             await state.manager.load(name)
+        except LocalserveError as exc:  # bad input (a file, a name): its one line says it all
+            log.error("could not preload %s: %s", name, exc)
         except Exception:
             log.exception("could not preload %s", name)
     state.ready = True

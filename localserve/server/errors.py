@@ -3,13 +3,15 @@ their routes).
 
 ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 (404 for an
 unknown model), a full queue a 429 and a model that cannot serve yet a 503, both with
-Retry-After. Only a bug is a 500, and its message says so without leaking internals.
+Retry-After. Only a bug is a 500, and its message says so without leaking internals,
+with the request id its traceback is logged under (also in ``x-request-id``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,8 @@ from .catalog import ModelNotFoundError
 from .model_manager import ModelUnavailableError
 
 log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"  # on a 500: the id its traceback is logged under
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None,
@@ -85,9 +89,14 @@ def _engine_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _bug(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error serving %s %s", request.method, request.url.path, exc_info=exc)
-    _note_error(request, f"{type(exc).__name__} serving {request.method} {request.url.path}")
-    return error_response(500, "internal server error (a bug: see the server log)", "server_error")
+    """A 500 that tells nothing of the internals, but gives the id under which the server
+    logged the traceback, so an operator can find it from what a client reports."""
+    request_id = uuid.uuid4().hex[:12]
+    what = f"{type(exc).__name__} serving {request.method} {request.url.path} (request id {request_id})"
+    log.exception("unhandled %s", what, exc_info=exc)
+    _note_error(request, what)
+    return error_response(500, f"internal server error (a bug: see the server log for request id {request_id})",
+                          "server_error", headers={REQUEST_ID_HEADER: request_id})
 
 
 def _note_error(request: Request, message: str) -> None:
@@ -105,8 +114,8 @@ def _ollama_error_body(status: int, message: str) -> dict[str, Any]:
 
 def _in_the_routes_shape(handler: Callable[[Request, Exception], JSONResponse]) -> Callable[[Request, Exception], JSONResponse]:
     """Errors of Ollama's routes in Ollama's shape, ``{"error": message}``, of Anthropic's
-    in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, with the same status
-    and Retry-After; every other route's in OpenAI's."""
+    in Anthropic's, ``{"type": "error", "error": {"type", "message"}}``, with the same status,
+    Retry-After and x-request-id; every other route's in OpenAI's."""
 
     def handle(request: Request, exc: Exception) -> JSONResponse:
         response = handler(request, exc)
@@ -118,7 +127,7 @@ def _in_the_routes_shape(handler: Callable[[Request, Exception], JSONResponse]) 
         else:
             return response
         message = json.loads(bytes(response.body))["error"]["message"]
-        kept = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+        kept = {k: v for k, v in response.headers.items() if k.lower() in ("retry-after", REQUEST_ID_HEADER)}
         return JSONResponse(shape(response.status_code, message), status_code=response.status_code, headers=kept)
 
     return handle
