@@ -255,7 +255,7 @@ def test_from_dir_prefers_jinja_files(tmp_path: Path) -> None:
     assert template.render(CHAT) == "file </s>"
     assert template.render(CHAT, tools=[WEATHER_TOOL]) == "tools 1"
     (tmp_path / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(LocalserveError, match="cannot read"):
+    with pytest.raises(LocalserveError, match="tokenizer_config.json: not valid JSON"):
         ChatTemplate.from_dir(tmp_path)
 
 

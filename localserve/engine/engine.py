@@ -12,7 +12,7 @@ import torch
 from ..kernels import cpu_library
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
-from ..formats.layout import check_tensors, layout
+from ..formats.layout import layout
 from ..formats.weights import weight_sizes
 from ..text.tokenizer import Tokenizer
 from .config import EngineConfig
@@ -72,11 +72,10 @@ class Engine:
         self.device = pick_device(device)
         self.config = (config or EngineConfig()).for_device(self.device.type)
         checkpoint = open_checkpoint(model)
-        check_tensors(checkpoint)  # before anything is allocated: every tensor there, shaped, of a loadable type
+        self.tokenizer: Tokenizer | None = checkpoint.check_loadable()  # before anything is allocated
         self.spec = spec = checkpoint.spec
         self.dtype = pick_dtype(dtype, spec.torch_dtype, self.device)
         self.checkpoint = checkpoint
-        self.tokenizer: Tokenizer | None = checkpoint.tokenizer()
 
         if self.device.type == "cpu":
             cpu_library.set_threads(self.config.cpu_threads())

@@ -7,14 +7,14 @@ needs no torch, so ``localserve pull`` and ``show`` stay light; the weights come
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
-from ..text.chat_template import ChatTemplate
+from ..json_files import read_json_object
+from ..text.chat_template import ChatTemplate, NoChatTemplateError
 from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..text.tokenizer import Tokenizer
 from . import embedding, gpt_oss, hf, multimodal
@@ -61,6 +61,18 @@ class Checkpoint:
         """The checkpoint's tokenizer, or None when it ships none."""
         return read_tokenizer(self.path, self.gguf)
 
+    def check_loadable(self) -> Tokenizer | None:
+        """What a load checks before it allocates anything, and a pull before it registers
+        a model, so that what is listed loads: every tensor there, shaped and of a type
+        localserve loads (from the headers); the tokenizer builds; the chat template, when
+        the model has one, compiles. Returns the tokenizer."""
+        from .layout import check_tensors  # layout imports this module
+
+        check_tensors(self)
+        tokenizer = self.tokenizer()
+        self.chat_template_or_none()
+        return tokenizer
+
     def chat_template(self, source: str | None = None) -> ChatTemplate:
         """The checkpoint's chat template (tokenizer_config.json / chat_template.jinja, or
         GGUF metadata), or ``source`` (a model's own TEMPLATE) with the checkpoint's special
@@ -70,11 +82,11 @@ class Checkpoint:
         return ChatTemplate.from_dir(self.path, source=source)
 
     def chat_template_or_none(self, source: str | None = None) -> ChatTemplate | None:
-        """The chat template, or None when there is none (or it cannot be used): then
-        prompts are completed as plain text."""
+        """The chat template, or None when the model ships none: then prompts are completed
+        as plain text. A broken one (or one over the size limit) is a LocalserveError."""
         try:
             return self.chat_template(source)
-        except LocalserveError:
+        except NoChatTemplateError:
             return None
 
 
@@ -137,15 +149,15 @@ def _merge_generation_eos(path: Path, spec: ModelSpec) -> None:
     # generation_config.json may list more end tokens than config.json (Llama 3's
     # <|eot_id|>); HF generate stops on all of them.
     gen_path = path / "generation_config.json"
-    if not gen_path.is_file():
+    if not gen_path.exists():
         return
-    try:
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return
-    for token in [eos] if isinstance(eos, int) else (eos or []):
-        if isinstance(token, int) and token not in spec.eos_token_ids:
-            spec.eos_token_ids.append(token)
+    eos = read_json_object(gen_path, 1 << 20).get("eos_token_id")
+    tokens = [eos] if isinstance(eos, int) else eos or []
+    if not isinstance(tokens, list) or any(type(token) is not int or not 0 <= token < spec.vocab_size
+                                           for token in tokens):
+        raise LocalserveError(f"{gen_path}: eos_token_id {str(eos)[:80]} is not a token id or a list of them "
+                              f"(0..{spec.vocab_size - 1:,})")
+    spec.eos_token_ids.extend(token for token in dict.fromkeys(tokens) if token not in spec.eos_token_ids)
 
 
 __all__ = ["Checkpoint", "ModelSpec", "RopeSpec", "open_checkpoint"]

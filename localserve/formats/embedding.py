@@ -15,11 +15,11 @@ no LM head, which an embedding model never uses.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import LocalserveError
+from ..json_files import read_json
 
 # sentence-transformers' Pooling config key -> our pooling name.
 _POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
@@ -63,14 +63,7 @@ def pooling_from_modules(model_dir: Path) -> str | None:
 
 
 def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        return None
-    if path.stat().st_size > _MAX_JSON_BYTES:
-        raise LocalserveError(f"{path}: larger than {_MAX_JSON_BYTES:,} bytes")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LocalserveError(f"{path}: not valid JSON ({exc})") from exc
+    return read_json(path, _MAX_JSON_BYTES) if path.exists() else None
 
 
 def saved_bare(names: set[str]) -> bool:

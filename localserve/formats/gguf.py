@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LocalserveError
-from ..text.chat_template import ChatTemplate
+from ..text.chat_template import ChatTemplate, NoChatTemplateError
 from .architectures import ARCHITECTURES, GGUF_NAMES, Architecture, by_gguf
 from .gguf_file import GGUFFile
 from .spec import ModelSpec, RopeSpec
@@ -165,7 +165,8 @@ def spec_from_gguf(gguf: GGUFFile) -> ModelSpec:
         pooling=_pooling(gguf, md.get("pooling_type", int, 0)),
         **_variant_fields(md, architecture, hidden, heads, head_dim),
     )
-    problem = spec.check({field: f"{arch}.{key}" for field, key in _METADATA_KEYS.items()})
+    problem = spec.check({field: key if key.startswith("tokenizer.") else f"{arch}.{key}"
+                          for field, key in _METADATA_KEYS.items()})
     if problem:
         raise LocalserveError(f"{gguf.path}: metadata {problem}")
     if gguf.metadata.get(f"{arch}.attention.causal", True) is not True:  # gte-Qwen2's embedding models
@@ -236,12 +237,15 @@ def _variant_fields(md: _Metadata, architecture: Architecture, hidden: int, head
 _WINDOW_DEFAULTS: dict[str, Any] = {"gemma2": 4096, "gpt_oss": ...}
 
 
-# What GGUF metadata calls the spec's fields (under "<arch>.").
+# What GGUF metadata calls the spec's fields (under "<arch>.", but for the tokenizer's).
 _METADATA_KEYS = {
     "num_layers": "block_count", "hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
     "num_heads": "attention.head_count", "num_kv_heads": "attention.head_count_kv",
     "head_dim": "attention.key_length", "max_position_embeddings": "context_length", "num_experts": "expert_count",
     "num_experts_per_tok": "expert_used_count", "moe_intermediate_size": "expert_feed_forward_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope.theta": "rope.freq_base",
+    "rope.factor": "rope.scaling.factor", "rope.attention_factor": "rope.scaling.attn_factor",
+    "bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
 }
 
 
@@ -304,7 +308,7 @@ def chat_template_from_gguf(gguf: GGUFFile, source: str | None = None) -> ChatTe
     metadata = gguf.metadata
     template = metadata.get("tokenizer.chat_template") if source is None else source
     if not isinstance(template, str):
-        raise LocalserveError(
+        raise NoChatTemplateError(
             f"{gguf.path}: this model has no chat template (no tokenizer.chat_template); "
             "send plain prompts instead of chat messages"
         )

@@ -448,7 +448,7 @@ class _Parser:
 
     def header(self) -> tuple[int, int, int]:
         if self.size < 4 or self.buf[0:4] != MAGIC:
-            raise self.error(f"not a GGUF file (starts with {bytes(self.buf[0:4])!r}, expected {MAGIC!r})")
+            raise self.error(f"not a GGUF file (it does not start with GGUF's magic {MAGIC!r})")
         self.pos = 4
         version = self.u32("version")
         if version not in SUPPORTED_VERSIONS:

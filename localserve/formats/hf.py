@@ -8,7 +8,6 @@ the canonical naming that other readers (GGUF) map onto.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,23 +16,20 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
+from ..json_files import read_json_object
 from .architectures import HF_MODEL_TYPES, Architecture
 from .spec import HIDDEN_ACTIVATIONS, ModelSpec, RopeSpec
 
 _MAX_SHARDS = 4096
+# config.json and the shard index: a few KB, the index of a 1,000-shard model a few MB.
+_MAX_CONFIG_BYTES = 16 << 20
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise LocalserveError(f"{model_dir}: no config.json; expected an HF checkpoint folder")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LocalserveError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise LocalserveError(f"{path}: expected a JSON object")
-    return config
+    return read_json_object(path, _MAX_CONFIG_BYTES)
 
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:
@@ -87,6 +83,7 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
 _CONFIG_KEYS = {
     "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
     "num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+    "rope.theta": "rope_theta", "rope.factor": "rope_scaling.factor", "local_rope.theta": "rope_local_base_freq",
 }
 
 
@@ -226,18 +223,19 @@ def shard_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from the index when sharded."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise LocalserveError(f"{index}: malformed index ({exc})") from exc
+        weight_map = read_json_object(index, _MAX_CONFIG_BYTES).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise LocalserveError(f"{index}: weight_map is not an object of tensor names and shard files")
+        if any(not isinstance(name, str) for name in weight_map.values()):
+            raise LocalserveError(f"{index}: weight_map has a shard that is not a file name")
         names = sorted(set(weight_map.values()))
         if len(names) > _MAX_SHARDS:
             raise LocalserveError(f"{index}: too many shards ({len(names)})")
         files = []
         for name in names:
             # A shard name comes from an untrusted file: it must be a plain file name.
-            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
-                raise LocalserveError(f"{index}: invalid shard file name {name!r}")
+            if Path(name).name != name or name in (".", "..") or len(name) > 255 or "\0" in name:
+                raise LocalserveError(f"{index}: invalid shard file name {name[:80]!r}")
             path = model_dir / name
             if not path.is_file():
                 raise LocalserveError(f"{index}: shard {name} is missing")

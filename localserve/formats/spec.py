@@ -46,6 +46,12 @@ _POSITIVE = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim
              "max_position_embeddings")
 
 
+# Each rotary setting's range (low end excluded): real models keep far inside them
+# (theta 1e4..1e8, factors 1..64).
+_ROPE_RANGES = {"theta": 1e12, "factor": 1e6, "low_freq_factor": 1e6, "high_freq_factor": 1e6, "beta_fast": 1e6,
+                "beta_slow": 1e6, "partial_rotary_factor": 1.0}
+
+
 # config.json's activation names -> ours (the gated MLP's gate goes through it).
 HIDDEN_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -133,6 +139,13 @@ class ModelSpec:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and 0 <= value < 1e6):
                 return f"{names.get(name, name)} {value} is not a finite number in 0..1e6"
+        if (problem := self._float_problem(names)) is not None:
+            return problem
+        for name, ids in (("bos_token_id", [] if self.bos_token_id is None else [self.bos_token_id]),
+                          ("eos_token_id", self.eos_token_ids)):
+            wrong = [i for i in ids if type(i) is not int or not 0 <= i < self.vocab_size]
+            if wrong:
+                return f"{names.get(name, name)} {wrong[0]!r} is not a token id (0..{self.vocab_size - 1:,})"
         if self.hidden_act not in HIDDEN_ACTIVATIONS.values():
             return f"activation {self.hidden_act!r} is not supported ({', '.join(HIDDEN_ACTIVATIONS)})"
         for rope in (self.rope, self.local_rope):
@@ -148,6 +161,24 @@ class ModelSpec:
             return f"swiglu alpha and limit {self.clamped_swiglu} must be finite and positive"
         if self.num_experts and self.moe_intermediate_size <= 0:
             return f"{said('moe_intermediate_size')}: the experts' width must be positive"
+        return None
+
+    def _float_problem(self, names: Mapping[str, str]) -> str | None:
+        """The first of the declared real numbers that is not finite and inside a range every
+        real model keeps far within (NaN, negative or zero ones load, then write empty or
+        garbage text)."""
+        checks: list[tuple[str, object, float, float]] = [("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0)]
+        for label, rope in (("rope", self.rope), ("local_rope", self.local_rope)):
+            if rope is None:
+                continue
+            checks += [(f"{label}.{name}", getattr(rope, name), 0.0, high) for name, high in _ROPE_RANGES.items()]
+            if rope.attention_factor is not None:
+                checks.append((f"{label}.attention_factor", rope.attention_factor, 0.0, 1e6))
+            for name in ("short_factor", "long_factor", "freq_factors"):
+                checks += [(f"{label}.{name}", value, 0.0, 1e6) for value in getattr(rope, name) or ()]
+        for name, value, low, high in checks:
+            if not (type(value) in (int, float) and math.isfinite(value) and low < value <= high):  # type: ignore[arg-type]
+                return f"{names.get(name, name)} {value!r} is not a finite number in ({low:g}, {high:g}]"
         return None
 
     def qk_norm_size(self, projection_width: int) -> int:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ..errors import LocalserveError
 from ..formats import Checkpoint, open_checkpoint
-from ..formats.layout import check_tensors
 from ..facts.checkpoint import model_info
 from .names import ModelName, parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
@@ -65,11 +64,11 @@ def default_name(path: Path) -> ModelName:
 
 
 def record_for(checkpoint: Checkpoint, name: ModelName, source: str, license: str | None = None) -> ModelRecord:
-    """The catalogue row for ``checkpoint``, its files still to be added: only once its
-    metadata reads and every tensor the engine will load is there with its shape and a
-    type it loads (from the headers; no weights are read). The license, unless given, is
-    a GGUF's ``general.license``."""
-    check_tensors(checkpoint)
+    """The catalogue row for ``checkpoint``, its files still to be added: only once it
+    passes what every load checks first (``Checkpoint.check_loadable``: tensors from the
+    headers, no weights read; tokenizer; chat template). The license, unless given, is a
+    GGUF's ``general.license``."""
+    checkpoint.check_loadable()
     info, _ = model_info(checkpoint)
     return ModelRecord(
         name=name, format=str(info["format"]),

@@ -46,6 +46,16 @@ def check_file_name(name: str) -> str:
     return name
 
 
+def _check_files(files: list[ModelFile]) -> None:
+    """What each of a model's files must be in the catalogue: a plain name, a well-formed
+    digest (its blob's name in the store), a known role."""
+    for file in files:
+        check_file_name(file.name)
+        check_digest(file.digest)
+        if file.role not in ROLES:
+            raise LocalserveError(f"unknown file role {str(file.role)[:80]!r}")
+
+
 @dataclass(slots=True)
 class ModelFile:
     name: str  # a plain file name, as the checkpoint calls it
@@ -84,14 +94,6 @@ class ModelRecord:
         return data
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
-
-class Registry:
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.links = home / "models"
 def _catalogue_problem(path: Path, exc: sqlite3.DatabaseError) -> str:
     if isinstance(exc, sqlite3.OperationalError):  # the file is sqlite's, the disk or its permissions refuse
         return f"cannot use the registry {path}: {exc}"
@@ -109,7 +111,21 @@ def _home_problem(home: Path, exc: OSError) -> str:
             "can write")
 
 
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class Registry:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.links = home / "models"
         self._settings: dict[str, ModelSettings] = {}  # by blob digest: a blob's content never changes
+        with self._disk_failures_explained():
+            self._open()
+
+    def _open(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.home / "blobs")
         # One connection, used by one thread at a time (the daemon's event loop, or the CLI).
         self.db = sqlite_utils.Database(sqlite3.connect(self.home / "registry.db", check_same_thread=False))
         self.db.enable_wal()
@@ -120,12 +136,6 @@ def _home_problem(home: Path, exc: OSError) -> str:
                 "id": str, "name": str, "tag": str, "format": str, "architecture": str, "quantization": str,
                 "parameters": int, "active_parameters": int, "context_length": int, "size": int, "source": str,
                 "license": str, "created": str, "last_used": str,
-        with self._disk_failures_explained():
-            self._open()
-
-    def _open(self) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.blobs = BlobStore(self.home / "blobs")
             }, pk="id", if_not_exists=True)
             if "license" not in self.db["models"].columns_dict:  # a catalogue from before licenses were kept
                 self.db["models"].add_column("license", str)
@@ -136,16 +146,6 @@ def _home_problem(home: Path, exc: OSError) -> str:
         for model in BUILTIN.values():
             self._refresh_builtin(model, new)
 
-    # -- reading ------------------------------------------------------------------------
-
-    def list(self) -> list[ModelRecord]:
-        return [self._record(row) for row in self.db["models"].rows_where(order_by="name, tag")]
-
-    def get(self, name: str | ModelName) -> ModelRecord:
-        parsed = parse_name(name) if isinstance(name, str) else name
-        row = self._row(parsed)
-        if row is None:
-            raise UnknownModelError(f"model {str(parsed)!r} is not in the registry (see `localserve list`; "
     @contextmanager
     def _disk_failures_explained(self) -> Iterator[None]:
         """A home or catalogue the disk refuses (a file where the folder should be, no
@@ -164,8 +164,23 @@ def _home_problem(home: Path, exc: OSError) -> str:
         with self._disk_failures_explained(), self.db.conn:
             yield
 
+    # -- reading ------------------------------------------------------------------------
+
+    def list(self) -> list[ModelRecord]:
+        return [self._record(row) for row in self.db["models"].rows_where(order_by="name, tag")]
+
+    def get(self, name: str | ModelName) -> ModelRecord:
+        parsed = parse_name(name) if isinstance(name, str) else name
+        row = self._row(parsed)
+        if row is None:
+            raise UnknownModelError(f"model {str(parsed)!r} is not in the registry (see `localserve list`; "
                                     "`localserve pull` adds one)")
-        return self._record(row)
+        record = self._record(row)
+        try:  # every command that names a model (show, run, rm, cp) refuses a damaged row alike
+            _check_files(record.files)
+        except LocalserveError as exc:
+            raise LocalserveError(f"model {str(parsed)!r} has a damaged catalogue row: {exc}") from None
+        return record
 
     def _row(self, name: ModelName) -> dict[str, Any] | None:
         """The catalogue row of ``name``; a built-in model removed earlier comes back."""
@@ -241,11 +256,8 @@ def _home_problem(home: Path, exc: OSError) -> str:
 
     def add(self, record: ModelRecord) -> ModelRecord:
         """Register ``record`` (replacing a model of the same name); its blobs must be stored."""
+        _check_files(record.files)
         for file in record.files:
-            check_file_name(file.name)
-            check_digest(file.digest)
-            if file.role not in ROLES:
-                raise LocalserveError(f"unknown file role {file.role!r}")
             if not self.blobs.has(file.digest):
                 raise LocalserveError(f"{file.name}: blob {file.digest} is not in the store")
         record.created = record.created or _now()

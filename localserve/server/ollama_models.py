@@ -73,7 +73,10 @@ def _facts(path: Path, version: str) -> ModelFacts:
 
     checkpoint = open_checkpoint(path)
     info, _ = model_info(checkpoint)
-    template = checkpoint.chat_template_or_none()
+    try:
+        template = checkpoint.chat_template_or_none()
+    except LocalserveError:  # a broken one: listed without it; a chat request says what is wrong
+        template = None
     return ModelFacts(
         format=str(info["format"]), architecture=str(info["architecture"]), parameters=int(info["parameters"]),
         quantization=str(info["quantization"]), context_length=int(info["context_length"]),

@@ -27,11 +27,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter, Se
 from jinja2.utils import Namespace
 
 from ..errors import LocalserveError
+from ..json_files import read_json
 from .template_budget import (LIMITS, MAX_INT_BITS, Limits, check_format_spec, check_int_method, check_printf,
                               check_repetition, check_str_method, checked, guarded_filters, is_int, joined, limits,
                               too_big_integer)
 
-__all__ = ["ChatTemplate", "DEFAULT_MAX_OUTPUT_CHARS", "DEFAULT_MAX_RENDER_SECONDS", "DEFAULT_MAX_STEPS"]
+__all__ = ["ChatTemplate", "NoChatTemplateError", "DEFAULT_MAX_OUTPUT_CHARS", "DEFAULT_MAX_RENDER_SECONDS", "DEFAULT_MAX_STEPS"]
 
 # Template-made text a render may produce beyond twice its inputs' size (see ChatTemplate).
 DEFAULT_MAX_OUTPUT_CHARS = 1_000_000
@@ -41,6 +42,8 @@ DEFAULT_MAX_RENDER_SECONDS = 5.0
 # (thousands for long chats with tools); a million is far above that, yet a template that
 # spends it all (recursing macros are the slowest at some microseconds a call) stops in seconds.
 DEFAULT_MAX_STEPS = 1_000_000
+# The longest template accepted (characters; a file may hold 4 bytes for each); real ones are at most ~30,000.
+MAX_TEMPLATE_CHARS = 256 << 10
 # Request data nested deeper than this is a mistake or an attack (or a cycle).
 _MAX_DATA_DEPTH = 64
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -367,6 +370,9 @@ def _compile(source: Any, name: str) -> jinja2.Template:
     if not isinstance(source, str):
         raise LocalserveError(f"the {name} chat template must be a string, "
                               f"got {type(source).__name__}")
+    if len(source) > MAX_TEMPLATE_CHARS:  # compiling 4 MB of template took 2.4 GiB and 15 s
+        raise LocalserveError(f"the {name} chat template is {len(source):,} characters, over the limit of "
+                              f"{MAX_TEMPLATE_CHARS:,} (the largest real ones are ~30,000)")
     try:
         return _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -381,6 +387,11 @@ def _compile(source: Any, name: str) -> jinja2.Template:
 # ---------------------------------------------------------------------------------------------
 # ChatTemplate
 # ---------------------------------------------------------------------------------------------
+
+class NoChatTemplateError(LocalserveError):
+    """The model ships no chat template (as opposed to a broken one): prompts are completed
+    as plain text."""
+
 
 class ChatTemplate:
     """A compiled chat template and the special tokens it is rendered with.
@@ -459,7 +470,7 @@ class ChatTemplate:
         if source is not None:
             named = {"default": source}
         if not named:
-            raise LocalserveError(
+            raise NoChatTemplateError(
                 "this model has no chat template (no chat_template in tokenizer_config.json "
                 "and no chat_template.jinja); send plain prompts instead of chat messages")
         if "default" not in named:
@@ -474,31 +485,27 @@ class ChatTemplate:
     def from_dir(cls, path: str | Path, **options: Any) -> ChatTemplate:
         """From a checkpoint or tokenizer folder, as transformers finds templates there:
         `tokenizer_config.json`, overridden by `chat_template.jinja` (the default template)
-        and `additional_chat_templates/NAME.jinja` (named ones) when present; an image-text
+        and `additional_chat_templates/tool_use.jinja` (the one for tools) when present; an image-text
         processor's `chat_template.json` when neither holds a default template. `source`
         in `options` replaces them (with the folder's special tokens)."""
         folder = Path(path)
         config: Any = {}
         config_file = folder / "tokenizer_config.json"
-        try:
-            if config_file.is_file():
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            templates = {}
-            if (folder / "chat_template.jinja").is_file():
-                templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-            processor_file = folder / "chat_template.json"
-            if ("default" not in templates and not (isinstance(config, dict) and config.get("chat_template"))
-                    and processor_file.is_file()):
-                # An image-text model's processor template, used when the tokenizer has none.
-                processor = json.loads(processor_file.read_text(encoding="utf-8"))
-                if isinstance(processor, dict) and isinstance(processor.get("chat_template"), str):
-                    templates["default"] = processor["chat_template"]
-            extra_dir = folder / "additional_chat_templates"
-            if extra_dir.is_dir():
-                for file in sorted(extra_dir.glob("*.jinja")):
-                    templates[file.stem] = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise LocalserveError(f"cannot read the chat template in {folder}: {exc}") from exc
+        if config_file.is_file():
+            config = read_json(config_file)
+        templates = {}
+        if (folder / "chat_template.jinja").is_file():
+            templates["default"] = _template_file(folder / "chat_template.jinja")
+        processor_file = folder / "chat_template.json"
+        if ("default" not in templates and not (isinstance(config, dict) and config.get("chat_template"))
+                and processor_file.is_file()):
+            # An image-text model's processor template, used when the tokenizer has none.
+            processor = read_json(processor_file)
+            if isinstance(processor, dict) and isinstance(processor.get("chat_template"), str):
+                templates["default"] = processor["chat_template"]
+        for name in ("default", "tool_use"):  # the named templates rendering uses; others are never read
+            if (file := folder / "additional_chat_templates" / f"{name}.jinja").is_file():
+                templates.setdefault(name, _template_file(file))
         return cls.from_tokenizer_config(config, templates=templates, **options)
 
     # -- rendering ------------------------------------------------------------------------
@@ -574,12 +581,30 @@ class ChatTemplate:
                 f"the chat template failed{_at(exc)}: {type(exc).__name__}: {exc}") from exc
         finally:
             stream.close()
-        return "".join(pieces)
+        text = "".join(pieces)
+        try:  # a template can print a lone surrogate ("\ud800"), which no tokenizer or response can carry
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise LocalserveError(f"the chat template wrote text that is not valid Unicode (a lone surrogate at "
+                                  f"character {exc.start:,})") from None
+        return text
 
 
 def _at(exc: BaseException) -> str:
     line = _template_line(exc)
     return "" if line is None else f" at line {line}"
+
+
+def _template_file(path: Path) -> str:
+    """A .jinja file's text, refused before it is read when it is too large to be one."""
+    try:
+        if (size := path.stat().st_size) > 4 * MAX_TEMPLATE_CHARS:
+            raise LocalserveError(f"{path}: {size:,} bytes, over the limit of a chat template")
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise LocalserveError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise LocalserveError(f"{path}: cannot be read ({exc.strerror})") from None
 
 
 def _named_templates(raw: Any) -> dict[str, str]:

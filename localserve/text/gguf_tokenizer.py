@@ -186,7 +186,9 @@ def _bpe_backend(metadata: Mapping[str, Any], vocab: _Vocab, pre: PreTokenizer) 
         cut = merge.find(" ", 1)
         left, right = (merge[:cut], merge[cut + 1 :]) if cut > 0 else (merge, "")
         if left not in vocab.ids or right not in vocab.ids:
-            raise LocalserveError(f"GGUF metadata: merge {merge!r} names a token not in the vocabulary")
+            raise LocalserveError(f"GGUF metadata: merge {merge[:80]!r} names a token not in the vocabulary")
+        if left + right not in vocab.ids:  # the tokenizers library would panic building it
+            raise LocalserveError(f"GGUF metadata: merge {merge[:80]!r} makes a token not in the vocabulary")
         merges.append((left, right))
     model = models.BPE(
         vocab=vocab.ids,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from functools import cache
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import LocalserveError
+from ..json_files import MAX_JSON_BYTES, read_json
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _GIL_FREE_CHARS = 16_384  # texts longer than this are encoded with the GIL released
@@ -52,17 +52,17 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise LocalserveError(f"{model_dir}: no tokenizer.json; pass token ids instead of text")
+        if (size := path.stat().st_size) > MAX_JSON_BYTES:
+            raise LocalserveError(f"{path}: {size:,} bytes, over the {MAX_JSON_BYTES:,} a tokenizer may take")
         try:
             backend = HFTokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises plain Exceptions
-            raise LocalserveError(f"{path}: cannot be read as a tokenizer ({exc})") from exc
+            reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise LocalserveError(f"{path}: cannot be read as a tokenizer ({reason})") from exc
         config: dict[str, Any] = {}
         config_path = model_dir / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                loaded = json.loads(config_path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise LocalserveError(f"{config_path}: not valid JSON ({exc})") from exc
+        if config_path.exists():
+            loaded = read_json(config_path)
             config = loaded if isinstance(loaded, dict) else {}
         return cls(backend, config)
 
