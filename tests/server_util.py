@@ -17,6 +17,7 @@ import uvicorn
 from localserve.engine.config import EngineConfig
 from localserve.server.app import create_app
 from localserve.server.config import ServerConfig
+from localserve.server.serve import listener_config
 
 from .conftest import STORIES_HF
 
@@ -47,12 +48,18 @@ class RunningServer:
     def __init__(self, config: ServerConfig, **app_options: object) -> None:
         self.app = create_app(config, **app_options)  # type: ignore[arg-type]
         self.state = self.app.state.localserve
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=config.host, port=0, log_level="warning"))
+        # The listener settings `localserve serve` uses (slow clients cut off, connections capped).
+        self.server = uvicorn.Server(listener_config(self.app, config, port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def port(self) -> int:
         return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self.server.server_state.connections)
 
     @property
     def url(self) -> str:

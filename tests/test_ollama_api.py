@@ -71,8 +71,10 @@ def test_list_and_show_describe_the_checkpoint(client: ollama.Client) -> None:
     assert shown.modelinfo["general.parameter_count"] == parameter_count()
 
 
-def test_pull_a_local_folder_copy_and_delete(client: ollama.Client, tmp_path: Path) -> None:
+def test_pull_a_local_folder_copy_and_delete(client: ollama.Client, server: RunningServer, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     folder = stories_with_template(tmp_path, CHAT_TEMPLATE, name="tiny-stories")
+    monkeypatch.setattr(server.state.config, "allow_pull_from", [tmp_path])  # serve --allow-pull-from
     events = list(client.pull(str(folder), stream=True))
     assert events[0].status == "pulling manifest" and events[-1].status == "success"
     names = {m.model for m in client.list().models}
@@ -95,7 +97,7 @@ def test_errors_in_ollamas_shape(client: ollama.Client, server: RunningServer) -
     assert set(answer.json()) == {"error"}
     with pytest.raises(ollama.ResponseError, match="not a registry model"):
         client.copy("stories", "elsewhere")  # a --model path is not the registry's to copy
-    with pytest.raises(ollama.ResponseError, match="neither a file or folder"):
+    with pytest.raises(ollama.ResponseError, match="not a source this server pulls from"):
         list(client.pull("/no/such/folder", stream=True))
 
 

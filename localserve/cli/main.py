@@ -316,6 +316,10 @@ def model_source(value: str) -> tuple[str, Path]:
 @click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without an API key.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow browser requests from ORIGIN (e.g. http://localhost:3000). Repeatable; default none.")
+@click.option("--allow-pull-from", "allow_pull_from", multiple=True, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Let HTTP clients pull (/api/pull, /api/create FROM) local files below DIR. Repeatable; default "
+                   "none: over HTTP only hf.co/ repos and https:// URLs.")
 @click.option("--keep-alive", default="5m", show_default=True,
               help="How long an idle model stays loaded (300, 5m, 1h; 0 unloads at once; -1 forever).")
 @click.option("--max-loaded-models", default=3, show_default=True,
@@ -323,6 +327,12 @@ def model_source(value: str) -> tuple[str, Path]:
 @click.option("--max-queued-requests", default=256, show_default=True, type=click.IntRange(min=0),
               help="Requests a model queues beyond its running batch; more get 429.")
 @click.option("--max-body-size", default="32MiB", show_default=True, type=ByteSize(), help="Largest request body.")
+@click.option("--header-timeout", default=10.0, show_default=True, type=float,
+              help="Seconds a client has to send a request's headers; past them its connection is closed (408).")
+@click.option("--body-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a client sending a request body may go silent; past them its connection is closed (408).")
+@click.option("--max-connections", default=1024, show_default=True, type=int,
+              help="Open connections at most, streams and idle keep-alive ones included; more are answered 503.")
 @click.option("--drain-timeout", default=30.0, show_default=True,
               help="Seconds SIGTERM waits for running requests before exiting.")
 @click.option("--tool-parser", default="auto", show_default=True,
@@ -338,8 +348,10 @@ def model_source(value: str) -> tuple[str, Path]:
 @config_file_option
 def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ollama_port: int | None,
           api_key: str | None,
-          insecure_no_auth: bool, cors_origins: tuple[str, ...], keep_alive: str, max_loaded_models: int,
-          max_queued_requests: int, max_body_size: int, drain_timeout: float, tool_parser: str,
+          insecure_no_auth: bool, cors_origins: tuple[str, ...], allow_pull_from: tuple[Path, ...], keep_alive: str,
+          max_loaded_models: int,
+          max_queued_requests: int, max_body_size: int, header_timeout: float, body_timeout: float,
+          max_connections: int, drain_timeout: float, tool_parser: str,
           reasoning_parser: str, device: str | None, dtype: str | None, log_level: str, **options: object) -> None:
     """Run the daemon: OpenAI's HTTP API (/v1), Ollama's (/api) and Anthropic's
     (/v1/messages), localserve's admin API, /health and /metrics, on one port (and
@@ -361,19 +373,21 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ol
     from ..registry import default_home, open_registry
     from ..registry.builtin import DEMO
 
+    open_registry(default_home())  # a home that cannot be used is one line here, not a failed start
     # With no --model, the built-in demo model is loaded at start: a fresh machine serves it.
     server_config = ServerConfig(
         models=sources, registry_home=default_home(), preload=list(sources) or [str(DEMO.name)],
         engine=engine_config(options), device=device, dtype=dtype,
         host=host, port=port, ollama_port=ollama_port, api_key=api_key or None, cors_origins=list(cors_origins),
+        allow_pull_from=[folder.resolve() for folder in allow_pull_from],
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout, tool_parser=tool_parser,
-        reasoning_parser=reasoning_parser)
+        reasoning_parser=reasoning_parser, header_timeout=header_timeout, body_timeout=body_timeout,
+        max_connections=max_connections)
     sys.exit(run_server(server_config, insecure_no_auth, log_level, _model_list_on_reload(config)))
 
 
 env_for_every_option(serve)
-    open_registry(default_home())  # a home that cannot be used is one line here, not a failed start
 
 
 def _model_list_on_reload(config_file: Path | None) -> Callable[[], dict[str, Path]] | None:

@@ -9,12 +9,13 @@ base's. A base that is a file or folder is copied into the store first, like ``p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from ..errors import LocalserveError
 from ..text.chat_template import ChatTemplate
-from .local import register, store_local
+from .local import local_source, register, store_local
 from .modelfile import Modelfile
 from .names import parse_name
 from .registry import ModelFile, ModelRecord, Registry
@@ -34,29 +35,32 @@ def check_template(source: str) -> None:
         raise LocalserveError(f"TEMPLATE: {str(exc).splitlines()[0]}{hint}") from None
 
 
-def base_path(base: str, folder: Path | None) -> Path | None:
+def base_path(base: str, folder: Path | None, local_roots: Sequence[Path] | None = None) -> Path | None:
     """FROM as a file or folder, or None for a registry name. A relative path is looked
     for in ``folder`` (the Modelfile's); with no folder (``/api/create``) only an
-    absolute path is one."""
+    absolute path is one, and only below ``local_roots`` (see ``local_source``)."""
     path = Path(base).expanduser()
     if not path.is_absolute():
         if folder is None:
             return None
         path = folder / path
-    if path.exists():
-        return path
+    found = local_source(str(path), local_roots)
+    if found is not None:
+        return found
     if Path(base).expanduser().is_absolute() or base.startswith(("./", "../")) or base.lower().endswith(".gguf"):
-        raise LocalserveError(f"FROM {base}: no such file or folder")
+        raise LocalserveError(f"FROM {base[:200]}: no such file or folder")
     return None
 
 
-def create_model(registry: Registry, name: str, modelfile: Modelfile, folder: Path | None = None) -> ModelRecord:
+def create_model(registry: Registry, name: str, modelfile: Modelfile, folder: Path | None = None,
+                 local_roots: Sequence[Path] | None = None) -> ModelRecord:
     """Register ``name`` as ``modelfile`` makes it. ``folder``: where a FROM path is looked
-    for (the Modelfile's folder; None takes FROM as a registry name only)."""
+    for (the Modelfile's folder; None takes FROM as a registry name or an absolute path);
+    ``local_roots``: the folders a FROM path may be in (None: anywhere)."""
     target = parse_name(name)
     if modelfile.settings.template is not None:
         check_template(modelfile.settings.template)  # before anything is copied
-    path = base_path(modelfile.base, folder)
+    path = base_path(modelfile.base, folder, local_roots)
     if path is not None:
         base, files = store_local(registry, path, target)
         inherited = ModelSettings()

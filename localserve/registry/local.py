@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import LocalserveError
 from ..formats import Checkpoint, open_checkpoint
 from ..facts.checkpoint import model_info
+from .blobs import check_digest
+from .download import DEFAULT_MAX_FILE_BYTES
 from .names import ModelName, parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
 
@@ -108,24 +112,70 @@ def register_fetched(registry: Registry, name: ModelName, files: list[ModelFile]
     return register(registry, record, files)
 
 
-def import_local(registry: Registry, path: Path, name: str | None = None) -> ModelRecord:
+def local_source(source: str, allowed_roots: Sequence[Path] | None = None) -> Path | None:
+    """The file or folder ``source`` names, or None when it names none.
+
+    ``allowed_roots`` None reads any path (the CLI: its user's own files). Otherwise the
+    daemon pulls for an HTTP client, and only below the folders its operator listed
+    (``serve --allow-pull-from DIR``; none by default, as Ollama's pull API reads no local
+    files): the path must be absolute and, links resolved, inside one of them. Outside,
+    the refusal reads the same whether or not the path exists, so a client learns nothing
+    about the server's files."""
+    path = Path(source).expanduser()
+    if allowed_roots is not None:
+        resolved = path.resolve()
+        if not path.is_absolute() or not any(resolved.is_relative_to(root.resolve()) for root in allowed_roots):
+            where = (f"only below {', '.join(str(root) for root in allowed_roots)}" if allowed_roots
+                     else "none (`localserve serve --allow-pull-from DIR` allows a folder)")
+            raise LocalserveError(f"{source[:200]!r}: not a source this server pulls from; over HTTP a pull takes "
+                                  f"hf.co/<owner>/<repo>[:<tag>] or an https:// URL, and local paths {where}")
+        path = resolved
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # a name too long, a loop of links, no permission
+        raise LocalserveError(f"{source[:200]!r}: cannot read it ({exc.strerror})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        # A device (/dev/zero), a pipe (/dev/stdin, a FIFO) or a socket would be read for ever or block.
+        raise LocalserveError(f"{source[:200]!r}: not a regular file or a folder")
+    return path
+
+
+def import_local(registry: Registry, path: Path, name: str | None = None, sha256: str | None = None,
+                 max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ModelRecord:
     """Copy the checkpoint at ``path`` into the store and register it (default name: the
     file or folder name). Its metadata is read before anything is copied, so a broken or
-    unsupported checkpoint registers nothing."""
+    unsupported checkpoint registers nothing. ``sha256`` checks a single file, as a URL
+    pull does; no file may be larger than ``max_bytes``."""
     path = path.expanduser()
     model_name = parse_name(name) if name else default_name(path)
-    return register(registry, *store_local(registry, path, model_name))
+    return register(registry, *store_local(registry, path, model_name, sha256, max_bytes))
 
 
-def store_local(registry: Registry, path: Path, name: ModelName) -> tuple[ModelRecord, list[ModelFile]]:
+def store_local(registry: Registry, path: Path, name: ModelName, sha256: str | None = None,
+                max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> tuple[ModelRecord, list[ModelFile]]:
     """The record of the checkpoint at ``path`` and its files, copied into the blob store
     (not registered yet); nothing is copied unless its metadata reads."""
-    if not path.exists():
+    if local_source(str(path)) is None:
         raise LocalserveError(f"{path}: no such file or folder")
+    expected = None
+    if sha256:
+        if not path.is_file():
+            raise LocalserveError("--sha256 checks one file; a folder holds several (each is hashed as it is stored)")
+        expected = check_digest(sha256 if sha256.startswith("sha256-") else f"sha256-{sha256.lower()}")
     folder_files = None if path.is_file() else model_files(path)  # checked before anything is read
     checkpoint = open_checkpoint(path)
     record = record_for(checkpoint, name, f"file:{path.resolve()}")
-    sources = checkpoint.gguf.paths if folder_files is None else folder_files  # a split GGUF's parts too
-    files = [ModelFile(source.name, registry.blobs.add_file(source), source.stat().st_size,
+    if folder_files is None:
+        sources = checkpoint.gguf.paths  # a split GGUF's parts too
+    else:  # only the shards the checkpoint reads: not every .safetensors file lying beside them
+        sources = [file for file in folder_files
+                   if role_of(file.name) != "weights" or file.suffix != ".safetensors" or file in checkpoint.files]
+    for source in sources:
+        if (size := source.stat().st_size) > max_bytes:
+            raise LocalserveError(f"{source.name} is {size:,} bytes, over the limit of {max_bytes:,} (--max-size)")
+    files = [ModelFile(source.name, registry.blobs.add_file(source, expected if source == path else None),
+                       source.stat().st_size,
                        "weights" if path.is_file() else role_of(source.name) or "other") for source in sources]
     return record, files

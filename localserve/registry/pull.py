@@ -8,6 +8,7 @@ there, so an interrupted or corrupt pull never shows up in ``localserve list``.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlparse
 
@@ -17,24 +18,25 @@ from ..errors import LocalserveError
 from . import hub
 from .blobs import check_digest
 from .download import DEFAULT_MAX_FILE_BYTES, RemoteFile, download
-from .local import default_name, import_local, register_fetched, role_of
+from .local import default_name, import_local, local_source, register_fetched, role_of
 from .names import parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
 
 
 def pull(registry: Registry, source: str, name: str | None = None, sha256: str | None = None,
-         progress: Progress | None = None, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ModelRecord:
+         progress: Progress | None = None, max_bytes: int = DEFAULT_MAX_FILE_BYTES,
+         local_roots: Sequence[Path] | None = None) -> ModelRecord:
     """Pull ``source``: ``hf.co/<owner>/<repo>[:<tag>]``, an ``https://`` URL of a .gguf
-    file, or a local .gguf file or HF checkpoint folder; no downloaded file may be larger
-    than ``max_bytes``."""
+    file, or a local .gguf file or HF checkpoint folder (with ``local_roots``, only one
+    below those folders: see ``local_source``); no file may be larger than ``max_bytes``."""
     if (hub_source := hub.parse_hub_source(source)) is not None:
         return pull_hub(registry, hub_source, name, progress, max_bytes)
     if re.match(r"https?://", source, re.IGNORECASE):
         return pull_url(registry, source, name, sha256, progress, max_bytes)
-    path = Path(source).expanduser()
-    if path.exists():
-        return import_local(registry, path, name)
-    raise LocalserveError(f"{source!r} is neither a file or folder here, nor hf.co/<owner>/<repo>[:<tag>], "
+    path = local_source(source, local_roots)
+    if path is not None:
+        return import_local(registry, path, name, sha256, max_bytes)
+    raise LocalserveError(f"{source[:200]!r} is neither a file or folder here, nor hf.co/<owner>/<repo>[:<tag>], "
                           "nor an https:// URL")
 
 

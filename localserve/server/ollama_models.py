@@ -184,7 +184,7 @@ async def create(request: Request, body: CreateRequest) -> Response:
     """A model made from another with its own defaults: Ollama's fields (``from``,
     ``parameters``, ``system``, ``template``, ``messages``, ``license``) or, from older
     clients, a whole ``modelfile``; FROM is a registry name, or a file or folder on the
-    server's machine. The answer is Ollama's progress objects, streamed unless
+    server's machine below a folder the operator allowed. The answer is Ollama's progress objects, streamed unless
     ``stream`` is false."""
     modelfile = body.modelfile_or_fields()
     steps = ["parsing modelfile", "reading model metadata", "writing manifest"]
@@ -192,7 +192,8 @@ async def create(request: Request, body: CreateRequest) -> Response:
     def run() -> None:
         from ..registry.create import create_model
 
-        create_model(_registry(request), body.model, modelfile)
+        local_roots = state_of(request).config.allow_pull_from
+        create_model(_registry(request), body.model, modelfile, local_roots=local_roots)
 
     if not body.stream:
         await asyncio.to_thread(run)
@@ -326,8 +327,9 @@ class _PullProgress:
 
 @router.post("/api/pull")
 async def pull(request: Request, body: PullRequest) -> Response:
-    """Pull a source as ``localserve pull`` takes it (hf.co/<owner>/<repo>[:<tag>], an
-    https URL of a .gguf, or a file or folder on the server's machine)."""
+    """Pull a source as ``localserve pull`` takes it: hf.co/<owner>/<repo>[:<tag>], an
+    https URL of a .gguf, or a file or folder on the server's machine, only below a folder
+    the operator allowed (``serve --allow-pull-from``)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     progress = _PullProgress(loop, queue)
@@ -335,7 +337,9 @@ async def pull(request: Request, body: PullRequest) -> Response:
     def run() -> str:
         from ..registry.pull import pull as pull_source
 
-        return str(pull_source(_registry(request), body.model, progress=progress).name)  # type: ignore[arg-type]
+        local_roots = state_of(request).config.allow_pull_from
+        return str(pull_source(_registry(request), body.model, progress=progress,  # type: ignore[arg-type]
+                               local_roots=local_roots).name)
 
     if not body.stream:
         await asyncio.to_thread(run)

@@ -17,7 +17,8 @@ from ..engine.async_engine import EngineDeadError
 from ..errors import LocalserveError
 from .app import create_app
 from .config import ServerConfig
-from .guard import is_loopback
+from .guard import ASGIApp, is_loopback
+from .slow_clients import SlowClientProtocol
 from .startup import log_startup_summary
 from .state import ServerState
 from .systemd import SystemdNotifier
@@ -173,23 +174,41 @@ def check_bind(host: str, api_key: str | None, insecure_no_auth: bool) -> None:
                 "address can use every model and the admin API", host)
 
 
+def listener_config(app: ASGIApp, config: ServerConfig, port: int, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for one listener of ``app``: slow clients are cut off
+    (slow_clients.py) and connections capped."""
+    return uvicorn.Config(
+        app, host=config.host, port=port, log_level=log_level,
+        log_config=None,  # uvicorn's loggers go to the handler configure_logging set up
+        timeout_graceful_shutdown=_CLOSE_GRACE_S, access_log=False, server_header=False,
+        http=SlowClientProtocol.with_timeouts(config.header_timeout, config.body_timeout),
+        # uvicorn answers a request with 503 (and closes) when its connection is the
+        # limit_concurrency-th one open (it counts itself) or limit_concurrency requests
+        # already run: + 1 serves exactly max_connections connections. A stream holds its
+        # connection while it runs and counts as one, as does an idle kept-alive one: the
+        # cap is on sockets, what a flood of clients exhausts, not on work, which has its
+        # own, earlier limit: a model queues --max-queued-requests beyond its batch and
+        # answers 429 past that (as Ollama's OLLAMA_MAX_QUEUE answers 503; vLLM has no
+        # cap). So the default 1024 sits above what the default engines take at once,
+        # 3 models x (64 running + 256 queued): clients meet the queue's 429 first.
+        limit_concurrency=config.max_connections + 1)
+
+
 def serve(config: ServerConfig, insecure_no_auth: bool = False, log_level: str = "info",
           model_list: ModelList | None = None) -> int:
     """Serve until SIGTERM; returns the exit status. ``model_list`` gives the named
     models anew on SIGHUP (None: they came from the command line and stay)."""
     check_bind(config.host, config.api_key, insecure_no_auth)
     app = create_app(config)
-    # log_config=None: uvicorn's loggers go to the handler configure_logging set up.
-    uvicorn_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, log_config=None,
-                                    timeout_graceful_shutdown=_CLOSE_GRACE_S, access_log=False,
-                                    server_header=False)
+    uvicorn_config = listener_config(app, config, config.port, log_level)
     notifier = SystemdNotifier()
     server = DrainingServer(uvicorn_config, app.state.localserve, notifier, model_list)
-    # Both listeners are bound before serving, so a port in use fails at start.
+    # Both listeners are bound before serving, so a port in use fails at start. The server
+    # runs both sockets with the first config (one protocol, one count of connections);
+    # the second only binds, with the same settings.
     sockets = [uvicorn_config.bind_socket()]
     if config.ollama_port is not None:
-        second = uvicorn.Config(app, host=config.host, port=config.ollama_port)
-        sockets.append(second.bind_socket())
+        sockets.append(listener_config(app, config, config.ollama_port, log_level).bind_socket())
     try:
         server.run(sockets=sockets)
     finally:
