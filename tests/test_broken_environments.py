@@ -276,3 +276,51 @@ def test_a_server_bug_gives_the_request_id_its_traceback_is_logged_under(
     logged = [r for r in caplog.records if request_id in r.getMessage()]
     assert logged and logged[0].exc_info is not None and "internal detail" in caplog.text
     assert request_id in app.state.localserve.events.recent()[-1]["message"]
+
+
+# Every route the daemon serves, with a body that names a registry model: what a client
+# of a daemon whose home broke while it ran could send.
+ROUTES = [("GET", path) for path in ("/", "/health", "/metrics", "/v1/models", "/v1/models/demo", "/api/tags", "/api/ps",
+                                     "/api/version", "/api/localserve/stats")] + [
+    ("POST", path) for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages",
+                                "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/api/chat", "/api/generate",
+                                "/api/embed", "/api/embeddings", "/api/show", "/api/pull", "/api/create", "/api/copy",
+                                "/api/localserve/load", "/api/localserve/unload")] + [("DELETE", "/api/delete")]
+ANY_BODY = {"model": "demo", "name": "demo", "source": "demo", "destination": "copy", "from": "demo", "prompt": "hi",
+            "input": "hi", "tokens": [1, 2], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "stream": False}
+
+
+@pytest.mark.parametrize("garbage", [os.urandom(8192), b"models = []\n" * 100], ids=["random bytes", "text"])
+def test_every_route_of_a_daemon_whose_catalogue_broke(garbage: bytes, tmp_path: Path) -> None:
+    """A daemon starts only with a usable home (serve checks it first); one whose registry.db
+    is replaced while it runs answers every route without a 500 or a traceback, each error
+    in one line."""
+    from fastapi.testclient import TestClient
+
+    from localserve.server.app import create_app
+    from localserve.server.config import ServerConfig
+
+    from .server_util import small_engine_config
+
+    home = tmp_path / "home"
+    config = ServerConfig(models={"stories": STORIES_HF}, registry_home=home, engine=small_engine_config(),
+                          device="cpu")
+    with TestClient(create_app(config), base_url="http://localhost", raise_server_exceptions=False) as client:
+        for leftover in home.glob("registry.db*"):  # the database and its WAL files
+            leftover.unlink()
+        (home / "registry.db").write_bytes(garbage)
+        named = []
+        for method, path in ROUTES:
+            answer = client.request(method, path, json=None if method == "GET" else ANY_BODY)
+            assert answer.status_code < 500, (method, path, answer.text)
+            assert "Traceback" not in answer.text, (method, path)
+            if answer.status_code >= 400:
+                error = answer.json()["error"]
+                message = error if isinstance(error, str) else error["message"]
+                assert "\n" not in message, (method, path, message)
+                if "is not a localserve registry" in message:
+                    named.append(path)
+        # The catalogue's lookups keep the connection opened at start (serving goes on);
+        # what opens the registry anew says what is wrong with it.
+        assert {"/api/pull", "/api/create", "/api/copy", "/api/delete"} <= set(named), named
