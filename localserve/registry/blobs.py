@@ -28,6 +28,11 @@ def check_digest(digest: str) -> str:
     return digest
 
 
+def expected_digest(sha256: str) -> str:
+    """A user's ``--sha256`` (hex, or sha256-hex) as the store names blobs."""
+    return check_digest(sha256 if sha256.startswith("sha256-") else f"sha256-{sha256.lower()}")
+
+
 def file_digest(path: Path) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as source:

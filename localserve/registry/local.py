@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import LocalserveError
 from ..formats import Checkpoint, open_checkpoint
 from ..facts.checkpoint import model_info
-from .blobs import check_digest
+from .blobs import expected_digest
 from .download import DEFAULT_MAX_FILE_BYTES
 from .names import ModelName, parse_name
 from .registry import ModelFile, ModelRecord, Registry, check_file_name
@@ -163,7 +163,7 @@ def store_local(registry: Registry, path: Path, name: ModelName, sha256: str | N
     if sha256:
         if not path.is_file():
             raise LocalserveError("--sha256 checks one file; a folder holds several (each is hashed as it is stored)")
-        expected = check_digest(sha256 if sha256.startswith("sha256-") else f"sha256-{sha256.lower()}")
+        expected = expected_digest(sha256)
     folder_files = None if path.is_file() else model_files(path)  # checked before anything is read
     checkpoint = open_checkpoint(path)
     record = record_for(checkpoint, name, f"file:{path.resolve()}")

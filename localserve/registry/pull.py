@@ -16,7 +16,7 @@ from rich.progress import Progress
 
 from ..errors import LocalserveError
 from . import hub
-from .blobs import check_digest
+from .blobs import expected_digest
 from .download import DEFAULT_MAX_FILE_BYTES, RemoteFile, download
 from .local import default_name, import_local, local_source, register_fetched, role_of
 from .names import parse_name
@@ -94,7 +94,7 @@ def pull_url(registry: Registry, url: str, name: str | None = None, sha256: str 
                               "hf.co/<owner>/<repo>")
     expected = None
     if sha256:
-        expected = check_digest(sha256 if sha256.startswith("sha256-") else f"sha256-{sha256.lower()}")
+        expected = expected_digest(sha256)
     digest = download(registry.blobs, RemoteFile(url, file_name, digest=expected), progress=progress,
                       max_bytes=max_bytes)
     model_name = parse_name(name) if name else default_name(Path(file_name))
