@@ -252,7 +252,10 @@ def test_pool_fills_the_card_and_the_largest_step_fits(tmp_path, name: str, card
     from localserve.facts.fit import plan
 
     path = sparse_checkpoint(tmp_path, name)
-    config = EngineConfig()
+    # 16 sequences, not the default 64: five decode graphs to capture instead of eleven (a
+    # capture under the fake card is seconds of Python per graph), the same planning, pool
+    # and graph-memory arithmetic.
+    config = EngineConfig(max_num_seqs=16)
     planned = plan(path, card.total_memory, config)
     usable = int(card.total_memory * config.gpu_memory_utilization)
     with fake_gpu(card) as gpu, mock.patch.object(Checkpoint, "weights", fake_weights):
