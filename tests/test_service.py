@@ -329,17 +329,22 @@ def test_serve_with_no_model_answers_the_readme_on_the_built_in_demo(tmp_path: P
         process.wait(timeout=60)
 
 
-def test_a_drain_that_times_out_ends_streams_with_an_error_and_done(tmp_path: Path) -> None:
-    """SIGTERM with a stream still generating past --drain-timeout: the stream ends with
-    an error event and [DONE] (before: the connection was cut mid-stream), and the daemon
-    exits 0."""
+@pytest.mark.parametrize("how", ["drain timeout", "second signal"])
+def test_a_drain_cut_short_ends_streams_with_an_error_and_done(tmp_path: Path, how: str) -> None:
+    """SIGTERM with a stream still generating past --drain-timeout, or a second SIGINT (a
+    second Ctrl-C) during the drain: the stream ends with an error event and [DONE] (before:
+    the connection was cut mid-stream, and after a second signal the log showed two
+    CancelledError tracebacks), and the daemon exits 0."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--port", str(port), "--device", "cpu",
-                                "--model", f"tiny={STORIES_GGUF}", "--kv-cache-memory", "64MiB",
-                                "--drain-timeout", "0.3"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    drain_timeout = "0.3" if how == "drain timeout" else "60"
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--port", str(port), "--device",
+                                    "cpu", "--model", f"tiny={STORIES_GGUF}", "--kv-cache-memory", "64MiB",
+                                    "--drain-timeout", drain_timeout],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
         wait_healthy(url, process)
         # Top-20 logprobs make every token's event large and slow to make: the stream is
@@ -350,12 +355,23 @@ def test_a_drain_that_times_out_ends_streams_with_an_error_and_done(tmp_path: Pa
                                                                                 json=body) as stream:
             lines = stream.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-            process.send_signal(signal.SIGTERM)
+            if how == "drain timeout":
+                process.send_signal(signal.SIGTERM)
+            else:
+                process.send_signal(signal.SIGINT)
+                # Signals that arrive together are one to Python's handler: the second
+                # goes once the first has been acted on.
+                deadline = time.monotonic() + 30
+                while "draining" not in log.read_text() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                process.send_signal(signal.SIGINT)
             events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
-        assert error["type"] == "server_error" and "drain timeout (0.3 s)" in error["message"]
+        expected = "drain timeout (0.3 s)" if how == "drain timeout" else "told to stop at once"
+        assert error["type"] == "server_error" and expected in error["message"]
         assert process.wait(timeout=30) == 0
+        assert "Traceback" not in log.read_text()
     finally:
         if process.poll() is None:
             process.kill()

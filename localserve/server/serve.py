@@ -38,8 +38,9 @@ ModelList = Callable[[], dict[str, Path]]
 
 class DrainingServer(uvicorn.Server):
     """The first SIGTERM/SIGINT stops taking requests (503) and lets those running
-    finish, up to the drain timeout; a second one exits at once. SIGHUP calls
-    ``model_list`` and serves what it returns."""
+    finish, up to the drain timeout; a second one ends those still running at once, each
+    with an error (as the drain timeout does), and exits; a third exits without waiting for
+    them. SIGHUP calls ``model_list`` and serves what it returns."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, notifier: SystemdNotifier,
                  model_list: ModelList | None = None) -> None:
@@ -50,6 +51,7 @@ class DrainingServer(uvicorn.Server):
         self.model_list = model_list
         self.drain_timeout = state.config.drain_timeout
         self.drain_deadline: float | None = None
+        self.end_now = False  # a second signal: end the requests still running at the next tick
         self.reload_requested = False
         self._reload: asyncio.Task[None] | None = None
         self._loads: set[asyncio.Task[None]] = set()  # models loading after a reload
@@ -72,7 +74,14 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.guard.draining:
-            self.should_exit = self.force_exit = True
+            # Not uvicorn's force exit at the second signal (a second Ctrl-C is common): it
+            # cuts streams mid-event and its cancelled tasks log tracebacks. The requests
+            # end in the event loop, at the next tick (not here, in a signal handler).
+            if self.end_now:
+                self.should_exit = self.force_exit = True
+            else:
+                self.end_now = True
+                self.drain_deadline = time.monotonic()
             return
         log.info("signal %d: draining (%d requests in flight, at most %.0f s)", sig, self.guard.in_flight,
                  self.drain_timeout)
@@ -103,7 +112,7 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif time.monotonic() >= self.drain_deadline:
                 self._end_requests()
-                self.should_exit = True
+                self.should_exit = True  # uvicorn waits for the ended streams to close
         return await super().on_tick(counter)
 
     def _log_summary(self) -> None:
@@ -117,11 +126,13 @@ class DrainingServer(uvicorn.Server):
                             ports[1] if self.state.config.ollama_port is not None else None)
 
     def _end_requests(self) -> None:
-        """The drain timed out: every request still running ends now with an error (a
-        stream with an error event and [DONE]), not a cut connection."""
-        log.warning("drain timeout: ending %d requests in flight", self.guard.in_flight)
-        error = EngineDeadError(f"the server is shutting down: its drain timeout ({self.drain_timeout:g} s) passed "
-                                "before this response finished")
+        """The drain timed out, or a second signal came: every request still running ends
+        now with an error (a stream with an error event and [DONE]), not a cut connection."""
+        why = "a second signal" if self.end_now else "drain timeout"
+        log.warning("%s: ending %d requests in flight", why, self.guard.in_flight)
+        reason = ("it was told to stop at once" if self.end_now
+                  else f"its drain timeout ({self.drain_timeout:g} s) passed")
+        error = EngineDeadError(f"the server is shutting down: {reason} before this response finished")
         for model in list(self.state.manager.loaded.values()):
             model.engine.fail_requests(error)
 
