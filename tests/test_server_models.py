@@ -22,7 +22,7 @@ from localserve.server.catalog import CatalogEntry, ModelCatalog
 from localserve.server.config import ServerConfig
 from localserve.server.model_manager import ManagerOptions, ModelManager, ModelUnavailableError, parse_keep_alive
 
-from .server_util import running_server, small_engine_config, stories_with_template
+from .server_util import running_server, small_engine_config, stories_with_template, wait_until
 
 COMPLETION = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
 
@@ -43,15 +43,6 @@ def complete(url: str, model: str, **extra: object) -> httpx.Response:
 
 def loaded(url: str) -> list[str]:
     return [m["name"] for m in httpx.get(f"{url}/api/ps").json()["models"]]
-
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.mark.parametrize("value, seconds", [

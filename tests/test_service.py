@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from .gguf_writers import STORIES_GGUF
-from .server_util import stories_with_template
+from .server_util import stories_with_template, wait_until
 
 
 def free_port() -> int:
@@ -361,9 +361,7 @@ def test_a_drain_cut_short_ends_streams_with_an_error_and_done(tmp_path: Path, h
                 process.send_signal(signal.SIGINT)
                 # Signals that arrive together are one to Python's handler: the second
                 # goes once the first has been acted on.
-                deadline = time.monotonic() + 30
-                while "draining" not in log.read_text() and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                assert wait_until(lambda: "draining" in log.read_text(), timeout=30)
                 process.send_signal(signal.SIGINT)
             events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]"

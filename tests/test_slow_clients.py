@@ -12,7 +12,7 @@ import json
 import selectors
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from localserve.errors import LocalserveError
 from localserve.server.config import ServerConfig
 
-from .server_util import RunningServer, running_server
+from .server_util import RunningServer, running_server, wait_until
 from .test_service import serve_settings
 
 TIMEOUT_S = 1.0  # both --header-timeout and --body-timeout of the test server
@@ -188,24 +188,17 @@ def test_a_large_body_sent_steadily_is_read_however_long_it_takes(server: Runnin
     assert time.monotonic() - start > 2 * TIMEOUT_S
     assert head.startswith(b"HTTP/1.1 404"), head
 
-def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_connections_beyond_the_cap_get_503() -> None:
     with running(max_connections=5) as server:
         held = [connect(server.port) for _ in range(5)]
         try:
             for sock in held:
                 sock.sendall(PARTIAL_REQUEST[:40])  # slow clients, within the 10 s header timeout
-            wait_for(lambda: server.connections == 5)
+            assert wait_until(lambda: server.connections == 5, timeout=5)
             status, took = get(server.port)  # the sixth
             assert status == 503 and took < 1.0
             held.pop().close()
-            wait_for(lambda: server.connections == 4)
+            assert wait_until(lambda: server.connections == 4, timeout=5)
             assert get(server.port)[0] == 200  # the fifth again
         finally:
             for sock in held:
