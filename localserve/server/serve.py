@@ -128,10 +128,11 @@ class DrainingServer(uvicorn.Server):
     def _end_requests(self) -> None:
         """The drain timed out, or a second signal came: every request still running ends
         now with an error (a stream with an error event and [DONE]), not a cut connection."""
-        why = "a second signal" if self.end_now else "drain timeout"
+        if self.end_now:
+            why, reason = "a second signal", "it was told to stop at once"
+        else:
+            why, reason = "drain timeout", f"its drain timeout ({self.drain_timeout:g} s) passed"
         log.warning("%s: ending %d requests in flight", why, self.guard.in_flight)
-        reason = ("it was told to stop at once" if self.end_now
-                  else f"its drain timeout ({self.drain_timeout:g} s) passed")
         error = EngineDeadError(f"the server is shutting down: {reason} before this response finished")
         for model in list(self.state.manager.loaded.values()):
             model.engine.fail_requests(error)
