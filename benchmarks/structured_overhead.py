@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from localserve import Engine, EngineConfig, SamplingParams  # noqa: E402
-from localserve.engine.structured_output import OutputFormat  # noqa: E402
+from localserve.engine.output_format import OutputFormat  # noqa: E402
 
 # Long enough that every step of the run is inside the grammar.
 SCHEMA = {"type": "array", "minItems": 100,

@@ -14,20 +14,19 @@ share_cores()  # before torch loads its OpenMP runtime (omp_wait.py says why)
 # The Python API, imported on first use: `localserve list` or `ps` should not wait
 # for torch to load.
 _EXPORTS = {
-    "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.output_processor",
+    "LLM": ".llm", "Engine": ".engine.engine", "EngineConfig": ".engine.config", "RequestOutput": ".engine.outputs",
     "SamplingParams": ".engine.sampling_params", "LocalserveError": ".errors",
-    "OutputFormat": ".engine.structured_output", "ChatOutput": ".llm", "PoolingParams": ".engine.pooling",
+    "OutputFormat": ".engine.output_format", "ChatOutput": ".llm", "PoolingParams": ".engine.sampling_params",
     "SpeculativeConfig": ".engine.speculative.config",
 }
 
 if TYPE_CHECKING:
     from .engine.config import EngineConfig
     from .engine.engine import Engine
-    from .engine.output_processor import RequestOutput
-    from .engine.pooling import PoolingParams
-    from .engine.sampling_params import SamplingParams
+    from .engine.outputs import RequestOutput
+    from .engine.sampling_params import PoolingParams, SamplingParams
     from .engine.speculative.config import SpeculativeConfig
-    from .engine.structured_output import OutputFormat
+    from .engine.output_format import OutputFormat
     from .errors import LocalserveError
     from .llm import LLM, ChatOutput
 

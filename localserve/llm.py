@@ -17,9 +17,8 @@ from .chat.reply import AssistantMessage
 from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
 from .engine.engine import Engine
-from .engine.output_processor import RequestOutput
-from .engine.pooling import PoolingParams
-from .engine.sampling_params import SamplingParams
+from .engine.outputs import RequestOutput
+from .engine.sampling_params import PoolingParams, SamplingParams
 from .engine.stats import EngineStats
 from .errors import LocalserveError
 

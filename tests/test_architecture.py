@@ -74,7 +74,8 @@ def test_the_table_is_read() -> None:
 
 
 @pytest.mark.parametrize("module", ["localserve.formats", "localserve.facts.show", "localserve.registry.pull",
-                                    "localserve.cli.main", "localserve.tui.app", "localserve.bench"])
+                                    "localserve.cli.main", "localserve.tui.app", "localserve.bench",
+                                    "localserve.server.app"])
 def test_the_torch_free_side_stays_torch_free(module: str) -> None:
     code = f"import sys, {module}\nprint('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

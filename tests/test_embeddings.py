@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from localserve import LLM, LocalserveError
-from localserve.engine.pooling import PoolingParams, finish, fold_chunk
+from localserve.engine.pooling import finish, fold_chunk
+from localserve.engine.sampling_params import PoolingParams
 from localserve.formats import open_checkpoint
 
 from .conftest import STORIES_HF, reinitialise

@@ -332,9 +332,10 @@ def test_fit_without_a_gpu_plans_for_host_memory(tmp_path: Path, monkeypatch: py
     import torch
 
     from localserve.engine import memory
+    from localserve.engine.host_memory import HostMemory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(memory, "available_host_memory", lambda: memory.HostMemory(64 * GiB, "MemAvailable, by a test"))
+    monkeypatch.setattr(memory, "available_host_memory", lambda: HostMemory(64 * GiB, "MemAvailable, by a test"))
     s = LLAMA_8B
     path = llama_8b(tmp_path / "llama-3.1-8b")
     result = CliRunner().invoke(main, ["fit", str(path), "--json"])

@@ -10,7 +10,8 @@ from localserve import Engine, EngineConfig, LocalserveError, SamplingParams
 from localserve.engine.kv_cache import kv_bytes_per_block
 from localserve.engine.scheduler import Scheduler
 from localserve.engine import memory
-from localserve.engine.memory import GiB, HostMemory, kv_budget_bytes
+from localserve.engine.host_memory import HostMemory
+from localserve.engine.memory import GiB, kv_budget_bytes
 
 from .conftest import STORIES_HF
 

@@ -9,7 +9,7 @@ import torch
 from localserve import Engine, EngineConfig, LocalserveError, RequestOutput, SamplingParams
 from localserve.engine.kv_cache import BlockPool, KVCacheManager
 from localserve.engine.request import Request
-from localserve.engine.sampler import TokenLogprobs
+from localserve.engine.outputs import TokenLogprobs
 
 from .conftest import hf_logits, random_prompt
 from .test_engine import PROMPTS

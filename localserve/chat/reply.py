@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.structured_output import OutputFormat
+from ..engine.output_format import OutputFormat
 from ..text.chat_template import ChatTemplate
 from . import reasoning, tool_calls
 from .tool_calls import ToolCall

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.structured_output import OutputFormat
+from ..engine.output_format import OutputFormat
 from ..errors import LocalserveError
 from .reasoning import partial_marker
 

@@ -14,7 +14,7 @@ from ..registry.settings import ModelSettings
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
-    from ..engine.structured_output import OutputFormat
+    from ..engine.output_format import OutputFormat
 
 
 class Backend(Protocol):
@@ -42,7 +42,7 @@ def _response_format(settings: ChatSettings) -> dict[str, Any]:
 
 
 def _output_format(settings: ChatSettings) -> OutputFormat | None:
-    from ..engine.structured_output import OutputFormat
+    from ..engine.output_format import OutputFormat
 
     if settings.json_schema is not None:
         return OutputFormat("json", settings.json_schema)

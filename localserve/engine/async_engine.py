@@ -16,13 +16,15 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..errors import LocalserveError
-from .engine import Engine
-from .output_processor import RequestOutput
-from .pooling import PoolingParams
-from .sampling_params import SamplingParams
+from .outputs import RequestOutput
+from .sampling_params import PoolingParams, SamplingParams
 from .stats import EngineStats
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from .loading import load_model
 from .kv_transfer import KVTransfer
 from ..kernels.dispatch import KernelChoice, using
 from .memory import check_weights_fit, context_limit, measured_gpu_budget, most_pool_tokens, pool_sizes
-from .output_processor import OutputProcessor, RequestOutput
-from .pooling import PoolingParams
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
 from .request import Request
 from .runner import ModelRunner, RunnerOutput, warmup_token_counts
-from .sampling_params import SamplingParams
+from .sampling_params import PoolingParams, SamplingParams
 from .scheduler import Scheduler, ScheduledBatch
 from .speculative.draft_model import DraftModel, load_draft_model
 from .speculative.speculator import Speculator

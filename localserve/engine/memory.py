@@ -24,6 +24,7 @@ from ..formats.spec import ModelSpec
 from ..formats.weights import WeightSizes
 from ..units import human_bytes
 from .config import EngineConfig
+from .host_memory import available_host_memory
 from .cuda_graphs import StaticInputs, graph_shapes, why_eager
 from .kv_cache import allocate_kv_tensors, kv_bytes_per_block
 from .runner import scratch_prefill
@@ -45,23 +46,6 @@ CPU_KV_SHARE_OF_FREE = 0.25
 # What the CUDA context, cuBLAS workspaces and allocator slack take besides tensors: an
 # estimate for planning only (the engine measures the real figure).
 CUDA_OVERHEAD_ESTIMATE = 512 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class HostMemory:
-    """The host memory the kernel can hand out without swapping, and where the figure
-    comes from (for people)."""
-
-    available: int
-    source: str
-
-
-def available_host_memory() -> HostMemory:
-    """What psutil reports as available (on Linux /proc/meminfo's MemAvailable: free
-    memory plus the page cache and buffers that can be reclaimed)."""
-    import psutil
-
-    return HostMemory(psutil.virtual_memory().available, "MemAvailable, by psutil")
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,44 +9,15 @@ since the request's previous output, so none of them keeps its own stop-string l
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..text.tokenizer import IncrementalDetokenizer, Tokenizer
 from .request import Request
-from .sampler import TokenLogprobs
+from .outputs import RequestOutput, TokenLogprobs
 from .structured_output import Constraint
 
-
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's state after a step. ``token_ids`` and ``text`` are cumulative;
-    ``delta`` is the text new since this request's previous output.
-
-    While the request runs, ``text`` leaves out a tail that may still become a stop
-    string (which is cut off, not shown); once finished it is the whole answer."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" or "length" once finished
-    logprobs: list[TokenLogprobs] | None
-    # Entry p: prompt token p + 1 given the tokens before it (the first token has none);
-    # complete from the first output on. None unless params.prompt_logprobs.
-    prompt_logprobs: list[TokenLogprobs] | None
-    # time.monotonic() readings, for TTFT, queue time and end-to-end latency.
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None  # None until finished
-    # The stop string the text was cut at, when one ended the request (Anthropic's API
-    # names it in its answer; the text alone cannot tell which of several matched).
-    stop_string: str | None = None
-    # An embedding request's vector (float32, CPU), set on its one, finished, output.
-    embedding: torch.Tensor | None = None
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)

@@ -9,27 +9,11 @@ with its vector and its KV blocks are freed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..errors import LocalserveError
+from .sampling_params import PoolingParams
 
 POOLING_METHODS = ("mean", "cls", "last")
-
-
-@dataclass(slots=True)
-class PoolingParams:
-    """What an embedding request asks for. ``dimensions``: keep the first this many
-    values (Matryoshka truncation), applied before normalizing; ``normalize``: scale to
-    unit L2 norm (what OpenAI's API and Ollama's /api/embed return)."""
-
-    dimensions: int | None = None
-    normalize: bool = True
-
-    def check(self, hidden_size: int) -> None:
-        if self.dimensions is not None and not 1 <= self.dimensions <= hidden_size:
-            raise LocalserveError(f"dimensions must be in [1, {hidden_size}] (the model's embedding size)")
 
 
 def fold_chunk(method: str, state: torch.Tensor | None, chunk: torch.Tensor, start: int,

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pooling import PoolingParams
-from .sampler import TokenLogprobs
-from .sampling_params import SamplingParams
+from .sampling_params import PoolingParams, SamplingParams
+from .outputs import TokenLogprobs
 from .speculative.state import RequestSpeculation
 from .structured_output import Constraint
 

@@ -13,7 +13,8 @@ from .cuda_graphs import DecodeGraphs, GraphShape
 from .pooling import finish, fold_chunk
 from .request import Request
 from .sampling_params import SamplingParams
-from .sampler import Sampler, SamplerOutput, SamplingRow, TokenLogprobs, token_logprobs
+from .outputs import TokenLogprobs
+from .sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
 from .scheduler import ScheduledBatch
 from .structured_output import StructuredOutputs, with_forced_tokens
 

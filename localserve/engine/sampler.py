@@ -15,6 +15,7 @@ from itertools import chain
 import torch
 
 from ..kernels import sampling_cpu
+from .outputs import TokenLogprobs
 from .sampling_params import SamplingParams
 from .structured_output import allowed_tokens
 
@@ -30,13 +31,6 @@ class SamplingRow:
     output_token_ids: list[int]  # presence/frequency penalties count only these (OpenAI style)
     generator: torch.Generator | None  # per-request RNG when params.seed is set
     eos_token_ids: frozenset[int]  # banned, with stop_token_ids, until min_tokens are out
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of the sampled token, even when it is not among `top`
-    top: list[tuple[int, float]]  # params.logprobs best (token_id, logprob), best first
 
 
 @dataclass(slots=True)

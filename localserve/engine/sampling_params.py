@@ -1,4 +1,5 @@
-"""Per-request generation settings, validated on construction."""
+"""Per-request settings, validated on construction: how to generate (``SamplingParams``) or
+how to pool an embedding (``PoolingParams``). Plain data, no torch."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..errors import LocalserveError
 from .speculative.config import MAX_DRAFT_TOKENS, METHODS
-from .structured_output import OutputFormat
+from .output_format import OutputFormat
 
 
 @dataclass(slots=True)
@@ -79,3 +80,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """What an embedding request asks for. ``dimensions``: keep the first this many
+    values (Matryoshka truncation), applied before normalizing; ``normalize``: scale to
+    unit L2 norm (what OpenAI's API and Ollama's /api/embed return)."""
+
+    dimensions: int | None = None
+    normalize: bool = True
+
+    def check(self, hidden_size: int) -> None:
+        if self.dimensions is not None and not 1 <= self.dimensions <= hidden_size:
+            raise LocalserveError(f"dimensions must be in [1, {hidden_size}] (the model's embedding size)")

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from ..chat import reply as chat_reply
 from ..chat.reply import ReplyFormat
-from ..engine.output_processor import RequestOutput
+from ..engine.outputs import RequestOutput
 from . import generation as gen
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from .model_manager import LoadedModel

@@ -11,19 +11,22 @@ import asyncio
 import base64
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.output_processor import RequestOutput
-from ..engine.pooling import PoolingParams
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import PoolingParams
 from ..errors import LocalserveError
 from . import generation as gen
 from .model_manager import MAX_CHARS_PER_TOKEN, LoadedModel, parse_keep_alive
 from .openai_api import acquire
 from .protocol import EmbeddingRequest
 from .state import state_of
+
+if TYPE_CHECKING:
+    import torch
 
 router = APIRouter()
 
@@ -48,7 +51,7 @@ async def embed(request: Request, model_name: str, inputs: list[str | list[int]]
         if not model.embeds:
             raise LocalserveError(f"{model.name!r} makes text, not embeddings: serve an embedding model "
                                   "(Qwen3-Embedding, or a GGUF file that names a pooling type)")
-        pooling.check(model.engine.engine.spec.hidden_size)
+        pooling.check(model.hidden_size)
         prompts = await asyncio.to_thread(_tokenize, model, inputs, truncate)
         outputs = await gen.unless_disconnected(request, _run(model, prompts, pooling))
     finally:

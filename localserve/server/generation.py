@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from ..engine.async_engine import RequestStream
-from ..engine.output_processor import RequestOutput
-from ..engine.sampler import TokenLogprobs
+from ..engine.outputs import RequestOutput
+from ..engine.outputs import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
 from ..text.tokenizer import Tokenizer
 from .metrics import Metrics

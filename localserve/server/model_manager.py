@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..text.chat_template import ChatTemplate
 from ..engine.async_engine import AsyncEngine
-from ..engine.memory import available_host_memory
+from ..engine.host_memory import available_host_memory
 from ..engine.stats import LoadProgress
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..text.tokenizer import Tokenizer
@@ -116,6 +116,10 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         return self.engine.engine.spec.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.engine.spec.hidden_size
 
     @property
     def embeds(self) -> bool:

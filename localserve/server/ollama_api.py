@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from ..chat import reply as chat_reply
-from ..engine.output_processor import RequestOutput
-from ..engine.pooling import PoolingParams
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import PoolingParams
 from ..errors import LocalserveError
 from ..registry.settings import request_fields
 from . import embeddings

@@ -22,8 +22,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.async_engine import EngineDeadError, RequestStream
-from ..engine.output_processor import RequestOutput
-from ..engine.sampler import TokenLogprobs
+from ..engine.outputs import RequestOutput
+from ..engine.outputs import TokenLogprobs
 from ..errors import LocalserveError
 from ..chat import reply as chat_reply
 from ..chat.messages import render_messages

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.speculative.config import MAX_DRAFT_TOKENS
-from ..engine.structured_output import OutputFormat
+from ..engine.output_format import OutputFormat
 from ..errors import LocalserveError
 from ..chat.tool_calls import forced_format
 from .model_manager import parse_keep_alive
