@@ -246,15 +246,16 @@ def test_base64_is_little_endian_float32() -> None:
 
 # -- the daemon: OpenAI's /v1/embeddings, Ollama's /api/embed and /api/embeddings -------------
 
-@pytest.fixture(scope="module")
-def server(embedders, tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=[False, True], ids=["engine thread", "engine process"])
+def server(request, embedders, tmp_path_factory: pytest.TempPathFactory):
     from localserve.server.config import ServerConfig
 
     from .server_util import running_server, small_engine_config
 
     root = tmp_path_factory.mktemp("embedding-server")
     config = ServerConfig(models={"embedder": embedders["last"][0], "stories": STORIES_HF},
-                          registry_home=root / "registry", engine=small_engine_config(max_num_seqs=8), device="cpu")
+                          registry_home=root / "registry", engine=small_engine_config(max_num_seqs=8), device="cpu",
+                          engine_processes=request.param)
     with running_server(config) as running:
         yield running
 

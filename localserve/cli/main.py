@@ -342,6 +342,10 @@ def model_source(value: str) -> tuple[str, Path]:
               help="Split <think> blocks into reasoning_content: auto does for templates that write them.")
 @click.option("--device", default=None, help="cpu or cuda; default cuda when available.")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device.")
+@click.option("--engine-processes/--no-engine-processes", default=True, show_default=True,
+              help="Run each model's engine in a process of its own (started at once, so torch loads beside the "
+                   "daemon's start; a crash there ends one model's requests, not the daemon), or on a thread of the "
+                   "daemon's.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 @engine_options
@@ -352,13 +356,18 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ol
           max_loaded_models: int,
           max_queued_requests: int, max_body_size: int, header_timeout: float, body_timeout: float,
           max_connections: int, drain_timeout: float, tool_parser: str,
-          reasoning_parser: str, device: str | None, dtype: str | None, log_level: str, **options: object) -> None:
+          reasoning_parser: str, device: str | None, dtype: str | None, engine_processes: bool, log_level: str,
+          **options: object) -> None:
     """Run the daemon: OpenAI's HTTP API (/v1), Ollama's (/api) and Anthropic's
     (/v1/messages), localserve's admin API, /health and /metrics, on one port (and
     Ollama's too with --ollama-port). Every option can also come from the
     environment (LOCALSERVE_<OPTION>) or a config file; SIGTERM drains and exits,
     SIGHUP reloads the model list. Registry models are served on request; with no
     --model, the built-in `demo` model is loaded at start."""
+    if engine_processes:
+        from ..server.engine_process.spawn import start_spare
+
+        start_spare()  # importing torch from now on, beside the imports below
     from ..logs import configure_logging
     from ..server.config import ServerConfig
     from ..server.model_manager import parse_keep_alive
@@ -383,7 +392,7 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ol
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout, tool_parser=tool_parser,
         reasoning_parser=reasoning_parser, header_timeout=header_timeout, body_timeout=body_timeout,
-        max_connections=max_connections)
+        max_connections=max_connections, engine_processes=engine_processes)
     sys.exit(run_server(server_config, insecure_no_auth, log_level, _model_list_on_reload(config)))
 
 

@@ -143,6 +143,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams) + self._num_adding
 
+    @property
+    def dead(self) -> bool:
+        """Shut down: nothing more runs here."""
+        return self._stopping
+
     # -- the event-loop side ------------------------------------------------------------
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None,

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
@@ -41,15 +42,20 @@ def open_engine(config: ServerConfig) -> Loader:
     def load(entry: CatalogEntry, progress: LoadProgress) -> AsyncEngine:
         from dataclasses import replace
 
+        # A model's own num_ctx (its Modelfile's) sets its context, in place of the server's.
+        engine_config = config.engine if entry.settings.context_length is None else \
+            replace(config.engine, max_model_len=entry.settings.context_length)
+        if config.engine_processes:
+            from .engine_process.remote import RemoteEngine
+
+            return RemoteEngine(entry.path, entry.name, engine_config, config.device, config.dtype,  # type: ignore[return-value]
+                                config.max_queued_requests, progress)
+
         from ..engine.engine import Engine
         from ..errors import InsufficientMemoryError
         from .footprint import memory_footprint
 
         import torch
-
-        # A model's own num_ctx (its Modelfile's) sets its context, in place of the server's.
-        engine_config = config.engine if entry.settings.context_length is None else \
-            replace(config.engine, max_model_len=entry.settings.context_length)
 
         def make_engine() -> Engine:
             try:
@@ -64,10 +70,13 @@ def open_engine(config: ServerConfig) -> Loader:
 
 def create_app(config: ServerConfig, load: Loader | None = None) -> FastAPI:
     """The app for ``config``; ``load`` replaces the engine loader (tests)."""
-    from .footprint import needed_bytes
+    def needed_bytes(path: Path) -> int | None:
+        from .footprint import needed_bytes  # torch: imported once a second model loads
+
+        return needed_bytes(path, config)
 
     options = ManagerOptions(default_keep_alive=config.keep_alive, max_loaded_models=config.max_loaded_models,
-                             needed_bytes=lambda path: needed_bytes(path, config))
+                             needed_bytes=needed_bytes)
     events = EventLog()
     catalog = ModelCatalog(config.models, config.registry_home)
     manager = ModelManager(catalog, load or open_engine(config), options, events)
@@ -77,7 +86,10 @@ def create_app(config: ServerConfig, load: Loader | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.device, state.device_name = await asyncio.to_thread(_device, config.device)
+        if config.engine_processes:  # the engine processes find it (and name it once one has loaded)
+            state.device, state.device_name = config.device or "auto", ""
+        else:
+            state.device, state.device_name = await asyncio.to_thread(_device, config.device)
         manager.start()
         preload = asyncio.create_task(_preload(state))
         try:
@@ -121,4 +133,7 @@ async def _preload(state: ServerState) -> None:
             log.error("could not preload %s: %s", name, exc)
         except Exception:
             log.exception("could not preload %s", name)
+    if state.config.engine_processes and state.manager.loaded:
+        first = next(iter(state.manager.loaded.values())).engine
+        state.device, state.device_name = str(first.memory.get("device", state.device)), first.device_name
     state.ready = True

@@ -43,6 +43,8 @@ class ServerConfig:
     max_connections: int = 1024
     tool_parser: str = "auto"  # how replies' tool calls are read: from the chat template, a format, or "none"
     reasoning_parser: str = "auto"  # <think> blocks: "auto" (from the template), "think" or "none"
+    # Each model's engine in a process of its own (engine_process/), not on a thread of the daemon's.
+    engine_processes: bool = False
 
     def __post_init__(self) -> None:
         for value, option in ((self.header_timeout, "--header-timeout"), (self.body_timeout, "--body-timeout")):

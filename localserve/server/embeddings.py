@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,7 +34,7 @@ router = APIRouter()
 
 @dataclass(slots=True)
 class Embeddings:
-    vectors: list[torch.Tensor]  # float32, one per input, in input order
+    vectors: list[torch.Tensor | numpy.ndarray]  # float32, one per input, in input order (numpy from an engine process)
     prompt_tokens: int
     load_seconds: float  # waiting for the model to load (0 when it was loaded)
     total_seconds: float
@@ -105,13 +106,13 @@ async def _run(model: LoadedModel, prompts: list[list[int]], pooling: PoolingPar
     return outputs  # type: ignore[return-value]
 
 
-def as_floats(vector: torch.Tensor) -> list[float]:
+def as_floats(vector: torch.Tensor | numpy.ndarray) -> list[float]:
     return vector.tolist()
 
 
-def as_base64(vector: torch.Tensor) -> str:
+def as_base64(vector: torch.Tensor | numpy.ndarray) -> str:
     """OpenAI's ``encoding_format: base64``: the float32 values' little-endian bytes."""
-    return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+    return base64.b64encode(numpy.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
 @router.post("/v1/embeddings")

@@ -14,6 +14,7 @@ import gc
 import logging
 import math
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -262,6 +263,9 @@ class ModelManager:
         if model is not None and model.version != entry.version and model.idle:
             await self.unload(name, "its name was pulled anew; reloading")
             model = None
+        if model is not None and model.engine.dead:  # its engine process ended (killed, crashed)
+            await self.unload(name, "its engine process ended; loading it again")
+            model = None
         if model is None:
             task = self._loading.get(name)
             if task is None:
@@ -320,7 +324,10 @@ class ModelManager:
 
     async def _make_room(self, path: Path) -> None:
         """Unload idle models (least recently used first) while the estimate of what
-        loading ``path`` takes exceeds the memory available."""
+        loading ``path`` takes exceeds the memory available. With none loaded there is
+        nothing to unload: the estimate (which imports torch) is not made."""
+        if not self.loaded:
+            return
         needed = self.options.needed_bytes(path)
         if needed is None:
             return
@@ -432,7 +439,6 @@ def _release_memory() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-    import torch  # only here: the manager itself never computes
-
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")  # not imported where engines run in processes of their own
+    if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()

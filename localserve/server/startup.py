@@ -140,7 +140,9 @@ def startup_facts(state: ServerState, host: str, port: int, ollama_port: int | N
     threads = kernels = None
     if state.device.startswith("cpu"):
         threads = config.engine.cpu_threads()
-        if not config.engine.disable_cpu_kernels:
+        if config.engine_processes:  # named by an engine process: the daemon imports no kernels
+            kernels = next((model.engine.cpu_kernels for model in loaded.values()), None)
+        elif not config.engine.disable_cpu_kernels:
             from ..kernels import cpu_library
 
             kernels = cpu_library.variant()
@@ -150,17 +152,24 @@ def startup_facts(state: ServerState, host: str, port: int, ollama_port: int | N
 
 
 def _model_facts(name: str, model: object) -> ModelFacts:
+    from .engine_process.remote import EngineFacts
+
     engine = model.engine.engine  # type: ignore[attr-defined]
     memory = model.engine.memory  # type: ignore[attr-defined]
     description = model.description()  # type: ignore[attr-defined]
     block_size = engine.config.block_size
+    if isinstance(engine, EngineFacts):  # in an engine process: the figures it sent
+        kv_tokens, cpu_kv_tokens, kv_dtype = engine.kv_tokens, engine.cpu_kv_tokens, engine.kv_dtype
+    else:
+        kv_tokens, cpu_kv_tokens = engine.kv.device.num_blocks * block_size, engine.kv.cpu.num_blocks * block_size
+        kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
     return ModelFacts(
         name=name, architecture=engine.spec.architecture, format=description["format"],
         quantization=description["quantization"].split(",")[0], weights_bytes=int(memory.get("weights_bytes", 0)),
         host_weights_bytes=int(memory.get("host_weights_bytes", 0)),
-        kv_tokens=engine.kv.device.num_blocks * block_size, kv_bytes=int(memory.get("kv_cache_bytes", 0)),
-        kv_dtype=str(engine.kv_dtype).removeprefix("torch."), max_num_seqs=engine.config.max_num_seqs,
-        max_model_len=engine.max_model_len, cpu_kv_tokens=engine.kv.cpu.num_blocks * block_size,
+        kv_tokens=kv_tokens, kv_bytes=int(memory.get("kv_cache_bytes", 0)),
+        kv_dtype=kv_dtype, max_num_seqs=engine.config.max_num_seqs,
+        max_model_len=engine.max_model_len, cpu_kv_tokens=cpu_kv_tokens,
         cpu_kv_bytes=int(memory.get("cpu_kv_cache_bytes", 0)), embeds=engine.spec.pooling is not None)
 
 

@@ -1,0 +1,119 @@
+"""Each model's engine in a process of its own (`serve --engine-processes`): the daemon never
+imports torch while its engine process does; a killed engine process fails its requests,
+not the daemon, and is loaded again by the next request; an unload ends the process; a file
+that cannot load leaves no process behind. (The API itself is checked in both modes by
+test_server_api.py and test_embeddings.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from localserve.server.config import ServerConfig
+
+from .server_util import running_server, small_engine_config, stories_with_template, wait_until
+from .test_service import free_port, wait_healthy
+
+STORY = ", there was a little girl named Lily. She loved to play outside in the park."
+
+
+def engine_processes() -> list[psutil.Process]:
+    return [child for child in psutil.Process().children(recursive=True)
+            if "localserve.server.engine_process" in " ".join(child.cmdline())]
+
+
+def maps_torch(pid: int) -> bool:
+    """Whether the process has torch's library mapped: imported, not merely named."""
+    return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.fixture
+def server(tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = stories_with_template(tmp_path)
+    config = ServerConfig(models={"stories": path}, preload=["stories"], engine=small_engine_config(), device="cpu",
+                          engine_processes=True)
+    with running_server(config) as running:
+        yield running
+    assert wait_until(lambda: not engine_processes(), timeout=30), "the engine process outlived the daemon"
+
+
+def story(server) -> str:  # type: ignore[no-untyped-def]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.completions.create(model="stories", prompt="Once upon a time", max_tokens=12,
+                                     temperature=0).choices[0].text
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_daemon_never_imports_torch_and_its_engine_process_does(tmp_path: Path) -> None:
+    port = free_port()
+    path = stories_with_template(tmp_path)
+    env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home")}
+    process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--model", f"stories={path}",
+                                "--port", str(port), "--device", "cpu", "--engine-processes", "--insecure-no-auth",
+                                "--kv-cache-memory", str(64 << 20)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "stories", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+        assert STORY.startswith(answer.json()["choices"][0]["text"])
+        workers = [child for child in psutil.Process(process.pid).children()
+                   if "localserve.server.engine_process" in " ".join(child.cmdline())]
+        assert len(workers) == 1 and maps_torch(workers[0].pid)
+        assert not maps_torch(process.pid)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert wait_until(lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE, 30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_a_killed_engine_process_fails_its_requests_and_the_next_request_loads_it_again(server) -> None:  # type: ignore[no-untyped-def]
+    assert STORY.startswith(story(server))
+    [worker] = engine_processes()
+    body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        worker.kill()
+        rest = list(lines)
+    errors = [line for line in rest if line.startswith("data: ") and '"error"' in line]
+    assert len(errors) == 1 and "engine process ended" in errors[0], rest
+    assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""], rest
+    # The daemon serves on: the model loads again in a new process.
+    assert STORY.startswith(story(server))
+    [new_worker] = engine_processes()
+    assert new_worker.pid != worker.pid
+    reasons = [event["message"] for event in server.state.events.recent() if event["kind"] == "unload"]
+    assert any("engine process ended" in reason for reason in reasons), reasons
+
+
+def test_an_unload_ends_the_engine_process(server) -> None:  # type: ignore[no-untyped-def]
+    [worker] = engine_processes()
+    answer = httpx.post(f"{server.url}/api/generate", json={"model": "stories", "keep_alive": 0}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert wait_until(lambda: not engine_processes(), timeout=30)
+    assert not worker.is_running()
+
+
+def test_a_file_that_cannot_load_leaves_no_process(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    config = ServerConfig(models={"bad": bad}, engine=small_engine_config(), device="cpu", engine_processes=True)
+    with running_server(config) as running:
+        answer = httpx.post(f"{running.url}/v1/completions", json={"model": "bad", "prompt": "hi"}, timeout=60)
+        assert 400 <= answer.status_code < 500, answer.text
+        message = answer.json()["error"]["message"]
+        assert "\n" not in message and "bad.gguf" in message
+        assert wait_until(lambda: not engine_processes(), timeout=30)
