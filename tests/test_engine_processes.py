@@ -20,6 +20,7 @@ import pytest
 from localserve.server.config import ServerConfig
 
 from .server_util import running_server, small_engine_config, stories_with_template, wait_until
+from .gguf_writers import STORIES_GGUF
 from .test_service import free_port, wait_healthy
 
 STORY = ", there was a little girl named Lily. She loved to play outside in the park."
@@ -52,27 +53,48 @@ def story(server) -> str:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-def test_the_daemon_never_imports_torch_and_its_engine_process_does(tmp_path: Path) -> None:
+def test_the_daemon_never_imports_torch_and_an_idle_daemon_keeps_a_spare_engine_process(tmp_path: Path) -> None:
+    """`serve` (engine processes are its default): the model preloaded at start runs in a
+    process of its own that has torch mapped, the daemon never has; once idle, the daemon
+    starts a spare, and the next model's load takes it (no new process) and is served."""
     port = free_port()
     path = stories_with_template(tmp_path)
     env = {**os.environ, "LOCALSERVE_HOME": str(tmp_path / "home")}
+    # A registry model: loaded when first asked for (the --model ones load at start).
+    subprocess.run([sys.executable, "-m", "localserve.cli", "pull", str(STORIES_GGUF), "--name", "tiny"], env=env,
+                   check=True, capture_output=True, timeout=120)
     process = subprocess.Popen([sys.executable, "-m", "localserve.cli", "serve", "--model", f"stories={path}",
-                                "--port", str(port), "--device", "cpu", "--engine-processes", "--insecure-no-auth",
+                                "--port", str(port), "--device", "cpu", "--insecure-no-auth",
                                 "--kv-cache-memory", str(64 << 20)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def workers() -> list[psutil.Process]:
+        return [child for child in psutil.Process(process.pid).children()
+                if "localserve.server.engine_process" in " ".join(child.cmdline())]
+
+    def complete(model: str) -> str:
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": model, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, process)
-        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": "stories", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
-        assert STORY.startswith(answer.json()["choices"][0]["text"])
-        workers = [child for child in psutil.Process(process.pid).children()
-                   if "localserve.server.engine_process" in " ".join(child.cmdline())]
-        assert len(workers) == 1 and maps_torch(workers[0].pid)
+        assert STORY.startswith(complete("stories"))
+        [stories] = workers()
+        assert wait_until(lambda: len(workers()) == 2, timeout=30), "no spare once idle"
+        pids = {worker.pid for worker in workers()}
+        assert wait_until(lambda: all(maps_torch(pid) for pid in pids), timeout=30)  # the spare has imported torch
         assert not maps_torch(process.pid)
+        assert STORY.startswith(complete("tiny"))
+        # Checked at once: a new spare waits for 2 s of idleness after the request.
+        assert {worker.pid for worker in workers()} == pids, "the load started a process of its own"
+        assert stories.is_running() and not maps_torch(process.pid)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        assert wait_until(lambda: not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE, 30)
+        assert wait_until(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                                          for pid in pids), 30), "an engine process outlived the daemon"
     finally:
         if process.poll() is None:
             process.kill()
@@ -117,3 +139,23 @@ def test_a_file_that_cannot_load_leaves_no_process(tmp_path: Path) -> None:
         message = answer.json()["error"]["message"]
         assert "\n" not in message and "bad.gguf" in message
         assert wait_until(lambda: not engine_processes(), timeout=30)
+
+
+def test_an_engine_process_refuses_a_load_that_does_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside other models, the engine process estimates the load as the daemon's manager
+    does for a thread, and refuses it as short of memory (the manager then unloads an idle
+    model and tries again)."""
+    from localserve.engine import host_memory
+    from localserve.errors import InsufficientMemoryError
+    from localserve.server.engine_process.__main__ import _check_room
+    from localserve.server.footprint import needed_bytes
+
+    load = {"path": str(STORIES_GGUF), "name": "tiny", "device": "cpu", "dtype": None}
+    config = small_engine_config()
+    needed = needed_bytes(STORIES_GGUF, config, "cpu", None)
+    assert needed is not None and needed > 64 << 20  # the 64 MiB pool and the weights
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: host_memory.HostMemory(needed, "a test"))
+    _check_room(load, config)
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: host_memory.HostMemory(needed - 1, "a test"))
+    with pytest.raises(InsufficientMemoryError, match=f"needs ~{needed >> 20} MiB"):
+        _check_room(load, config)

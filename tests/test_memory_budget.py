@@ -77,7 +77,6 @@ def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict, mo
     from localserve.engine.memory import pool_sizes
     from localserve.facts.fit import plan
     from localserve.formats.weights import weight_sizes
-    from localserve.server.config import ServerConfig
     from localserve.server.footprint import needed_bytes
 
     path, _ = llama
@@ -89,7 +88,7 @@ def test_engine_fit_and_the_daemon_size_the_pools_alike(llama, options: dict, mo
     if "num_cpu_blocks" in options or "cpu_offload_gb" in options:
         assert pools.cpu_blocks > 0
     weights = weight_sizes(engine.checkpoint, engine.dtype).loaded_bytes
-    assert needed_bytes(path, ServerConfig(engine=config, device="cpu")) == weights + pools.total_bytes
+    assert needed_bytes(path, config, "cpu", None) == weights + pools.total_bytes
     cpu_plan = plan(path, None, config)
     assert (cpu_plan.kv_blocks, cpu_plan.cpu_blocks) == (pools.device_blocks, pools.cpu_blocks)
     if options:  # fixed by the options, the GPU plan has the same pools
@@ -142,7 +141,6 @@ def test_a_draft_models_cache_shares_the_pools_budget(llama, options: dict, shar
     from localserve.engine.speculative import SpeculativeConfig
     from localserve.facts.fit import plan
     from localserve.formats.weights import weight_sizes
-    from localserve.server.config import ServerConfig
     from localserve.server.footprint import memory_footprint, needed_bytes
 
     path, _ = llama
@@ -161,7 +159,7 @@ def test_a_draft_models_cache_shares_the_pools_budget(llama, options: dict, shar
     footprint = memory_footprint(engine)
     assert footprint["weights_bytes"] == 2 * weights
     assert footprint["kv_cache_bytes"] == engine.kv.device.num_blocks * 2 * block
-    assert needed_bytes(path, ServerConfig(engine=config, device="cpu")) == \
+    assert needed_bytes(path, config, "cpu", None) == \
         footprint["weights_bytes"] + footprint["kv_cache_bytes"]
     fit = plan(path, None, config)  # `localserve fit` plans the same pools
     assert fit.kv_blocks == engine.kv.device.num_blocks and fit.draft_weight_bytes == weights

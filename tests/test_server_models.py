@@ -176,6 +176,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.shut_down = False
+        self.dead = False
 
     def shutdown(self) -> None:
         self.shut_down = True

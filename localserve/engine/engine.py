@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import cpu_library
-from ..errors import LocalserveError
+from ..errors import InsufficientMemoryError, LocalserveError
 from ..formats import open_checkpoint
 from ..formats.layout import layout
 from ..formats.weights import weight_sizes
@@ -55,6 +55,16 @@ def pick_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str | None, de
         return torch.float32  # half-precision matmuls are slow on most CPUs
     stored = names.get(checkpoint_dtype or "", torch.float32)
     return torch.bfloat16 if stored == torch.float32 else stored
+
+
+def build_engine(model: str | Path, config: EngineConfig, device: str | None, dtype: str | None,
+                 progress: LoadProgress, name: str) -> Engine:
+    """``Engine(...)`` as the daemon loads one: a device that runs out of memory during the
+    load is an InsufficientMemoryError (the daemon then unloads an idle model and retries)."""
+    try:
+        return Engine(model, config, device=device, dtype=dtype, progress=progress)
+    except torch.OutOfMemoryError as exc:
+        raise InsufficientMemoryError(f"{name}: out of device memory while loading ({exc})") from exc
 
 
 class Engine:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -35,9 +35,12 @@ log = logging.getLogger(__name__)
 ANTHROPIC_HEADERS = ["x-api-key", "anthropic-version", "anthropic-beta", "anthropic-dangerous-direct-browser-access"]
 
 
-def open_engine(config: ServerConfig) -> Loader:
-    """The manager's loader: an AsyncEngine, which builds its Engine on its own thread
-    (the calling worker thread waits for it), reporting into ``progress``."""
+def open_engine(config: ServerConfig, others_loaded: Callable[[], bool] = lambda: False) -> Loader:
+    """The manager's loader: with ``engine_processes`` a RemoteEngine (the engine in a process
+    of its own), else an AsyncEngine, which builds its Engine on its own thread; either way
+    the calling worker thread waits for the load, which reports into ``progress``. An engine
+    process checks, while ``others_loaded``, that the load fits in the memory available (the
+    manager then unloads an idle model and tries again), as the manager does for a thread."""
 
     def load(entry: CatalogEntry, progress: LoadProgress) -> AsyncEngine:
         from dataclasses import replace
@@ -49,21 +52,14 @@ def open_engine(config: ServerConfig) -> Loader:
             from .engine_process.remote import RemoteEngine
 
             return RemoteEngine(entry.path, entry.name, engine_config, config.device, config.dtype,  # type: ignore[return-value]
-                                config.max_queued_requests, progress)
+                                config.max_queued_requests, progress, check_room=others_loaded())
 
-        from ..engine.engine import Engine
-        from ..errors import InsufficientMemoryError
+        from ..engine.engine import build_engine
         from .footprint import memory_footprint
 
-        import torch
-
-        def make_engine() -> Engine:
-            try:
-                return Engine(entry.path, engine_config, device=config.device, dtype=config.dtype, progress=progress)
-            except torch.OutOfMemoryError as exc:
-                raise InsufficientMemoryError(f"{entry.name}: out of device memory while loading ({exc})") from exc
-
-        return AsyncEngine(make_engine, config.max_queued_requests, entry.name, memory_footprint)
+        return AsyncEngine(lambda: build_engine(entry.path, engine_config, config.device, config.dtype, progress,
+                                                entry.name),
+                           config.max_queued_requests, entry.name, memory_footprint)
 
     return load
 
@@ -71,15 +67,16 @@ def open_engine(config: ServerConfig) -> Loader:
 def create_app(config: ServerConfig, load: Loader | None = None) -> FastAPI:
     """The app for ``config``; ``load`` replaces the engine loader (tests)."""
     def needed_bytes(path: Path) -> int | None:
-        from .footprint import needed_bytes  # torch: imported once a second model loads
+        from .footprint import needed_bytes  # torch: imported when a model loads beside another
 
-        return needed_bytes(path, config)
+        return needed_bytes(path, config.engine, config.device, config.dtype)
 
+    # Engine processes estimate a load's memory themselves (torch stays out of the daemon).
     options = ManagerOptions(default_keep_alive=config.keep_alive, max_loaded_models=config.max_loaded_models,
-                             needed_bytes=needed_bytes)
+                             needed_bytes=(lambda path: None) if config.engine_processes else needed_bytes)
     events = EventLog()
     catalog = ModelCatalog(config.models, config.registry_home)
-    manager = ModelManager(catalog, load or open_engine(config), options, events)
+    manager = ModelManager(catalog, load or open_engine(config, lambda: bool(manager.loaded)), options, events)
     guard = GuardState(api_key=config.api_key, loopback_only=is_loopback(config.host),
                        max_body_bytes=config.max_body_bytes)
     state = ServerState(config, manager, Metrics(lambda: state.snapshots()), guard, events)

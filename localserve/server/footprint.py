@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..engine.config import EngineConfig
 from ..engine.engine import pick_device, pick_dtype
 from ..engine.kv_cache import kv_bytes_per_block
 from ..engine.memory import pool_sizes
@@ -13,7 +14,6 @@ from ..engine.speculative.draft_model import planned_sizes
 from ..errors import LocalserveError
 from ..formats import open_checkpoint
 from ..formats.weights import weight_sizes
-from .config import ServerConfig
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -39,19 +39,18 @@ def memory_footprint(engine: Engine) -> dict[str, int | str]:
     }
 
 
-def needed_bytes(path: Path, config: ServerConfig) -> int | None:
+def needed_bytes(path: Path, engine: EngineConfig, device: str | None, dtype_name: str | None) -> int | None:
     """Host memory a CPU load of ``path`` would take (weights, KV pool, CPU tier);
     None on a GPU host, where the engine measures free device memory itself."""
     import torch
 
-    if pick_device(config.device).type != "cpu":
+    if pick_device(device).type != "cpu":
         return None
     try:
         checkpoint = open_checkpoint(path)
     except LocalserveError:
         return None  # the load itself reports what is wrong with the file
-    engine = config.engine
-    dtype = pick_dtype(config.dtype, checkpoint.spec.torch_dtype, torch.device("cpu"))
+    dtype = pick_dtype(dtype_name, checkpoint.spec.torch_dtype, torch.device("cpu"))
     weights = weight_sizes(checkpoint, dtype).loaded_bytes
     kv_dtype = engine.resolve_kv_cache_dtype(dtype, torch.device("cpu"), checkpoint.quantized_gguf)
     try:  # a draft model: its weights, and its blocks beside the pool's

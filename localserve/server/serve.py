@@ -17,6 +17,7 @@ from ..engine.async_engine import EngineDeadError
 from ..errors import LocalserveError
 from .app import create_app
 from .config import ServerConfig
+from .engine_process.spawn import start_spare
 from .guard import ASGIApp, is_loopback
 from .slow_clients import SlowClientProtocol
 from .startup import log_startup_summary
@@ -32,6 +33,10 @@ _EXIT_S = 10
 # uvicorn calls on_tick every 0.1 s; the STATUS line shown by `systemctl status` is
 # refreshed every this many ticks.
 _STATUS_EVERY_TICKS = 20
+# With engine processes, a spare one (torch imported, the next load's to take) is started
+# once the daemon has run no request and no load for this many ticks: its import beside a
+# running request would slow that request on a small machine.
+_SPARE_AFTER_IDLE_TICKS = 20
 
 ModelList = Callable[[], dict[str, Path]]
 
@@ -58,6 +63,7 @@ class DrainingServer(uvicorn.Server):
         self._announced = False
         self._summarized = False  # the start-up summary, logged once the preloads are done
         self._status = ""
+        self._idle_ticks = 0
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -107,6 +113,8 @@ class DrainingServer(uvicorn.Server):
             self._reload = asyncio.get_running_loop().create_task(self._reload_models())
         if counter % _STATUS_EVERY_TICKS == 0 and not self.guard.draining:
             self._update_status()
+        if self.state.config.engine_processes:
+            self._keep_a_spare()
         if self.drain_deadline is not None and not self.should_exit:
             if self.guard.in_flight == 0:
                 self.should_exit = True
@@ -154,6 +162,12 @@ class DrainingServer(uvicorn.Server):
         finally:
             self._reload = None
             self.notifier.ready(self._status_line())
+
+    def _keep_a_spare(self) -> None:
+        busy = self.guard.in_flight or self.state.manager.load_progress or self.guard.draining
+        self._idle_ticks = 0 if busy else self._idle_ticks + 1
+        if self._idle_ticks >= _SPARE_AFTER_IDLE_TICKS:
+            start_spare()  # nothing when there is one
 
     def _update_status(self) -> None:
         status = self._status_line()

@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -44,7 +45,7 @@ def main() -> int:
         return 0
     configure_logging(load["log_level"])
     try:
-        running = _build(load)
+        running = _build(sock, load)
     except Exception as exc:  # noqa: BLE001  # told to the daemon in one line; it decides what to show
         from ...errors import InsufficientMemoryError, LocalserveError
 
@@ -68,23 +69,46 @@ def _send_quietly(sock: socket.socket, message: dict[str, Any]) -> None:
         pass
 
 
-def _build(load: dict[str, Any]) -> Any:
-    import torch
-
+def _build(sock: socket.socket, load: dict[str, Any]) -> Any:
+    """The engine the daemon described, built on the AsyncEngine's thread; how far the load
+    has got goes to the daemon every quarter second (its dashboard shows it)."""
     from ...engine.async_engine import AsyncEngine
-    from ...engine.engine import Engine
-    from ...errors import InsufficientMemoryError
+    from ...engine.engine import build_engine
+    from ...engine.stats import LoadProgress
     from ..footprint import memory_footprint
 
     config = wire.engine_config_from_wire(load["config"])
+    if load["check_room"]:
+        _check_room(load, config)
+    progress = LoadProgress()
+    built = threading.Event()
 
-    def make_engine() -> Engine:
-        try:
-            return Engine(load["path"], config, device=load["device"], dtype=load["dtype"])
-        except torch.OutOfMemoryError as exc:
-            raise InsufficientMemoryError(f"{load['name']}: out of device memory while loading ({exc})") from exc
+    def report() -> None:
+        while not built.wait(_STATS_EVERY_S):
+            _send_quietly(sock, {"op": "progress", "phase": progress.phase, "done": progress.done,
+                                 "total": progress.total})
 
-    return AsyncEngine(make_engine, load["max_queued_requests"], load["name"], memory_footprint)
+    reporter = threading.Thread(target=report, name="localserve-load-progress", daemon=True)
+    reporter.start()
+    try:
+        return AsyncEngine(lambda: build_engine(load["path"], config, load["device"], load["dtype"], progress,
+                                                load["name"]),
+                           load["max_queued_requests"], load["name"], memory_footprint)
+    finally:
+        built.set()
+        reporter.join()
+
+
+def _check_room(load: dict[str, Any], config: Any) -> None:
+    from ...engine.host_memory import available_host_memory
+    from ...errors import InsufficientMemoryError
+    from ..footprint import needed_bytes
+
+    needed = needed_bytes(load["path"], config, load["device"], load["dtype"])
+    available = available_host_memory().available
+    if needed is not None and needed > available:
+        raise InsufficientMemoryError(f"loading {load['name']} needs ~{needed >> 20} MiB, "
+                                      f"{available >> 20} MiB are available")
 
 
 async def _serve(sock: socket.socket, engine: Any) -> None:

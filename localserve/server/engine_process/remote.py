@@ -51,17 +51,19 @@ class EngineFacts:
 
 
 class RemoteEngine:
-    """A model's engine in a process of its own. Building one starts the process and
-    returns once it has loaded the model (raising what the load raised)."""
+    """A model's engine in a process of its own. Building one starts the process (or takes
+    the spare) and returns once it has loaded the model, raising what the load raised;
+    ``check_room``: the process first refuses (InsufficientMemoryError) a load that would not
+    fit in the host memory available."""
 
     def __init__(self, path: Path, name: str, config: EngineConfig, device: str | None, dtype: str | None,
-                 max_queued_requests: int, progress: LoadProgress) -> None:
+                 max_queued_requests: int, progress: LoadProgress, check_room: bool = False) -> None:
         progress.step("starting the engine process")
         self._process, self._sock = take_spare() or spawn()
         self._send_lock = threading.Lock()
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # the daemon's, for its logs
         self._send({"op": "load", "path": str(path), "name": name, "device": device, "dtype": dtype,
-                    "max_queued_requests": max_queued_requests, "log_level": log_level,
+                    "max_queued_requests": max_queued_requests, "log_level": log_level, "check_room": check_room,
                     "config": wire.engine_config_to_wire(config)})
         try:
             # The checkpoint's metadata and tokenizer, for the HTTP side, read while the
@@ -69,7 +71,8 @@ class RemoteEngine:
             checkpoint = open_checkpoint(path)
             tokenizer = checkpoint.check_loadable()
             progress.step("loading in the engine process")
-            loaded = wire.receive(self._sock)
+            while (loaded := wire.receive(self._sock))["op"] == "progress":
+                progress.phase, progress.done, progress.total = loaded["phase"], loaded["done"], loaded["total"]
         except BaseException:
             self._end_process(wait=False)
             raise

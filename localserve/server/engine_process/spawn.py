@@ -1,5 +1,8 @@
-"""Starting engine processes (``python -m localserve.server.engine_process``), and the spare one the daemon
-starts first thing. Imports next to nothing, so that start is the daemon's first act."""
+"""Starting engine processes (``python -m localserve.server.engine_process``), and the spare:
+one started ahead of need, importing torch and the engine while nothing waits for it, for the
+next load to take. `serve` starts one first thing (its import runs beside the daemon's own)
+and another whenever the daemon has been idle a while without one. Imports next to nothing,
+so that start is the daemon's first act."""
 
 from __future__ import annotations
 
@@ -13,8 +16,7 @@ _spare_lock = threading.Lock()
 
 
 def start_spare() -> None:
-    """Start an engine process that imports torch and the engine now, for the first load
-    to take: the daemon calls this first thing, so the import runs beside its own."""
+    """Start the spare engine process, unless there is one."""
     global _spare
     with _spare_lock:
         if _spare is None:
@@ -25,6 +27,9 @@ def take_spare() -> tuple[subprocess.Popen[bytes], socket.socket] | None:
     global _spare
     with _spare_lock:
         spare, _spare = _spare, None
+    if spare is not None and spare[0].poll() is not None:  # it died (killed) before it was needed
+        spare[1].close()
+        return None
     return spare
 
 
