@@ -10,6 +10,10 @@ its CPU layout and stores it (``--prepared-cache``, in a fresh LOCALSERVE_HOME);
 load maps that. "warm": the files are in the page cache; "cold": the page cache is dropped
 first (needs root; skipped otherwise), so both read the weights from disk.
 
+"thread" is localserve with its engine on a thread of the daemon's (``--no-engine-processes``)
+instead of a process of its own (the default, whose spare process imports torch while the
+daemon starts).
+
 "daemon" is how a model loads when localserve runs as a service (Ollama's way): the file
 is pulled into the registry once; a daemon already running (started with no model: it
 has loaded its small demo model) is asked to load it with Ollama's load call (an empty
@@ -72,7 +76,7 @@ def start_to_ready(command: list[str], ready: str, url: str, env: dict[str, str]
         stop(process)
 
 
-SETTLE_S = 1.0  # after its demo model is listed: the mapped pages' read-ahead thread finishes
+SETTLE_S = 6.0  # after its demo model is listed: the mapped pages' read-ahead, and the spare engine process's imports (started after 2 s idle), finish
 
 
 def wait_idle(url: str, timeout_s: float = 120.0) -> None:
@@ -132,17 +136,22 @@ def main() -> None:
             if system == "daemon":
                 command = real_shapes.localserve_command(path, port, args.threads, 1, 1024, preload=False)
                 figures = daemon_load(command, url, daemon_env, log, cold=temperature == "cold")
+            elif system == "llama.cpp":
+                figures = start_to_ready(real_shapes.llama_server_command(path, port, args.threads, 1, 1024),
+                                         url + "/v1/models", url, env, log)
             else:
-                maker = real_shapes.localserve_command if system == "localserve" else real_shapes.llama_server_command
-                ready = url + ("/health" if system == "localserve" else "/v1/models")
-                figures = start_to_ready(maker(path, port, args.threads, 1, 1024), ready, url, env, log)
+                command = real_shapes.localserve_command(path, port, args.threads, 1, 1024)
+                if system == "thread":
+                    command.append("--no-engine-processes")
+                figures = start_to_ready(command, url + "/health", url, env, log)
             results.setdefault((system, temperature), []).append(figures)
             print(f"  {system} {temperature}: ready {figures[0]:.2f} s, first request {figures[1]:.2f} s", flush=True)
 
         run("localserve", "first load")  # converts and stores the prepared layout
         run("daemon", "first load")  # the registry's copy: converted and stored beside its blob
         for repeat in range(args.repeats):
-            systems = ("localserve", "daemon", "llama.cpp") if repeat % 2 == 0 else ("llama.cpp", "daemon", "localserve")
+            systems = ("localserve", "thread", "daemon", "llama.cpp")
+            systems = systems if repeat % 2 == 0 else systems[::-1]
             for temperature in ("warm", "cold"):
                 for system in systems:
                     run(system, temperature)
@@ -152,7 +161,9 @@ def main() -> None:
         column = [v[i] for v in values]
         return f"{statistics.median(column):.2f} ({min(column):.2f}-{max(column):.2f})"
 
-    for system, what in (("localserve", "process start to ready"), ("daemon", "load into the running daemon")):
+    for system, what in (("localserve", "process start to ready"),
+                         ("thread", "process start to ready, the engine on a thread (--no-engine-processes)"),
+                         ("daemon", "load into the running daemon")):
         for temperature in ("first load", "warm", "cold"):
             ours, theirs = results.get((system, temperature)), results.get(("llama.cpp", temperature))
             if not ours:

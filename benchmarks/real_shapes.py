@@ -397,10 +397,18 @@ def kv_bytes_per_token(path: Path) -> int:
 
 
 def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """The server's peak RSS: its own and its children's (localserve's engine processes)
+    added up, as if every peak came at once."""
+    import psutil
+
+    total = 0
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return total
 
 
 def time_first_request(url: str, prompt: str) -> float:

@@ -159,3 +159,43 @@ def test_an_engine_process_refuses_a_load_that_does_not_fit(monkeypatch: pytest.
     monkeypatch.setattr(host_memory, "available_host_memory", lambda: host_memory.HostMemory(needed - 1, "a test"))
     with pytest.raises(InsufficientMemoryError, match=f"needs ~{needed >> 20} MiB"):
         _check_room(load, config)
+
+
+def test_what_crosses_to_an_engine_process_arrives_as_it_was_sent() -> None:
+    """Every field of a request's settings survives the JSON frames (token ids as dict keys
+    and tuples included), and outputs sent as their new parts add up to the cumulative ones."""
+    import socket as sockets
+
+    from localserve.engine.output_format import OutputFormat
+    from localserve.engine.outputs import RequestOutput, TokenLogprobs
+    from localserve.engine.sampling_params import PoolingParams, SamplingParams
+    from localserve.server.engine_process import wire
+
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.1,
+                            presence_penalty=0.2, frequency_penalty=0.3, seed=4, stop=["x"], stop_token_ids=[2],
+                            include_stop_str_in_output=True, ignore_eos=True, min_tokens=1, logprobs=3,
+                            prompt_logprobs=1, logit_bias={17: -2.5}, skip_special_tokens=False,
+                            output_format=OutputFormat("json", {"type": "object"}), thinking_end=(5, 6),
+                            thinking_budget=9, num_speculative_tokens=2, speculative_method="ngram")
+    a, b = sockets.socketpair()
+    with a, b:
+        wire.send(a, {"params": wire.sampling_params_to_wire(params),
+                      "pooling": wire.pooling_to_wire(PoolingParams(dimensions=8, normalize=False))})
+        received = wire.receive(b)
+    assert wire.sampling_params_from_wire(received["params"]) == params
+    assert wire.pooling_from_wire(received["pooling"]) == PoolingParams(dimensions=8, normalize=False)
+
+    def output(tokens: list[int], text: str, delta: str, finished: bool) -> RequestOutput:
+        return RequestOutput("r", [1, 2], tokens, text, delta, finished, "stop" if finished else None,
+                             [TokenLogprobs(t, -0.5, [(t, -0.5)]) for t in tokens],
+                             [TokenLogprobs(2, -1.0, [])], 10.0, 10.5, 11.0, 12.0 if finished else None)
+
+    sent = [output([7], "Once", "Once", False), output([7, 8, 9], "Once upon", " upon", False),
+            output([7, 8, 9, 4], "Once upon a", " a", True)]
+    previous, sent_tokens, sent_logprobs = None, 0, 0
+    for original in sent:
+        frame = wire.output_to_wire(original, sent_tokens, sent_logprobs)
+        sent_tokens, sent_logprobs = len(original.token_ids), len(original.logprobs or ())
+        previous = wire.output_from_wire(frame, previous, [1, 2], clock_offset=0.0)
+        assert previous == original
+    assert len(frame["tokens"]) == 1, "only what is new crosses"

@@ -211,10 +211,23 @@ def test_disconnects_free_every_block(server, client: openai.OpenAI) -> None:  #
 
     engine = server.state.manager.loaded["stories"].engine
 
+    def settled_finished_count() -> int:
+        """Requests finished so far, once the stats have stopped changing: an engine process
+        sends them every 0.25 s, so earlier tests' last requests may not be counted yet."""
+        def count() -> tuple[int, int]:
+            return engine.stats.num_finished_requests, engine.stats.num_running
+
+        seen, since = count(), time.monotonic()
+        while time.monotonic() - since < 0.6:
+            time.sleep(0.05)
+            if count() != seen:
+                seen, since = count(), time.monotonic()
+        return seen[0]
+
     def run_clients(client_count: int, client) -> int:  # type: ignore[no-untyped-def]
         """Requests that ran to their end among ``client_count`` clients that leave early,
         once all is idle."""
-        before = engine.stats.num_finished_requests
+        before = settled_finished_count()
 
         async def run() -> None:
             await asyncio.gather(*(client(i) for i in range(client_count)))
@@ -226,7 +239,7 @@ def test_disconnects_free_every_block(server, client: openai.OpenAI) -> None:  #
         assert engine.num_in_flight == 0
         assert engine.stats.kv_blocks_used == 0
         assert engine.stats.num_running == 0
-        return engine.stats.num_finished_requests - before
+        return settled_finished_count() - before
 
     if server.state.config.engine_processes:
         # Its steps cannot be slowed from here; each request still has far more tokens to
