@@ -199,3 +199,27 @@ def test_what_crosses_to_an_engine_process_arrives_as_it_was_sent() -> None:
         previous = wire.output_from_wire(frame, previous, [1, 2], clock_offset=0.0)
         assert previous == original
     assert len(frame["tokens"]) == 1, "only what is new crosses"
+
+
+def test_an_engine_process_that_dies_while_loading_is_one_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """A process killed mid-load (the kernel's OOM killer, a crash) leaves the load failed
+    with its exit status, not a broken-pipe traceback."""
+    import socket as sockets
+
+    from localserve.engine.stats import LoadProgress
+    from localserve.server.engine_process import remote
+
+    def dies_after_its_load_frame() -> tuple[subprocess.Popen[bytes], sockets.socket]:
+        parent, child = sockets.socketpair()
+        with child:
+            process = subprocess.Popen([sys.executable, "-c", "import socket, sys\n"
+                                        "socket.socket(fileno=int(sys.argv[1])).recv(4)\nsys.exit(3)",
+                                        str(child.fileno())], pass_fds=[child.fileno()])
+        return process, parent
+
+    monkeypatch.setattr(remote, "take_spare", lambda: None)
+    monkeypatch.setattr(remote, "spawn", dies_after_its_load_frame)
+    with pytest.raises(RuntimeError, match=r"ended while loading stories \(exit status 3\)"):
+        remote.RemoteEngine(stories_with_template(tmp_path), "stories", small_engine_config(), "cpu", None, 8,
+                            LoadProgress())

@@ -62,10 +62,10 @@ class RemoteEngine:
         self._process, self._sock = take_spare() or spawn()
         self._send_lock = threading.Lock()
         log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # the daemon's, for its logs
-        self._send({"op": "load", "path": str(path), "name": name, "device": device, "dtype": dtype,
-                    "max_queued_requests": max_queued_requests, "log_level": log_level, "check_room": check_room,
-                    "config": wire.engine_config_to_wire(config)})
         try:
+            self._send({"op": "load", "path": str(path), "name": name, "device": device, "dtype": dtype,
+                        "max_queued_requests": max_queued_requests, "log_level": log_level,
+                        "check_room": check_room, "config": wire.engine_config_to_wire(config)})
             # The checkpoint's metadata and tokenizer, for the HTTP side, read while the
             # engine process imports torch and loads.
             checkpoint = open_checkpoint(path)
@@ -73,6 +73,10 @@ class RemoteEngine:
             progress.step("loading in the engine process")
             while (loaded := wire.receive(self._sock))["op"] == "progress":
                 progress.phase, progress.done, progress.total = loaded["phase"], loaded["done"], loaded["total"]
+        except wire.ConnectionClosed:  # killed (out of memory?) or crashed while it loaded
+            self._end_process()  # it is ending: wait for its exit status
+            raise RuntimeError(f"the engine process ended while loading {name} "
+                               f"(exit status {self._process.returncode})") from None
         except BaseException:
             self._end_process(wait=False)
             raise
@@ -116,9 +120,10 @@ class RemoteEngine:
         stream = RequestStream(request_id, self)  # type: ignore[arg-type]
         accepted = self._pending[request_id] = loop.create_future()
         self._streams[request_id] = (stream, list(prompt_token_ids), [None])
-        self._send({"op": "add", "id": request_id, "prompt": prompt_token_ids, "pooling": wire.pooling_to_wire(pooling),
-                    "params": wire.sampling_params_to_wire(params or SamplingParams())})
         try:
+            self._send({"op": "add", "id": request_id, "prompt": prompt_token_ids,
+                        "pooling": wire.pooling_to_wire(pooling),
+                        "params": wire.sampling_params_to_wire(params or SamplingParams())})
             await accepted
         except asyncio.CancelledError:
             stream.finished = True
@@ -134,7 +139,10 @@ class RemoteEngine:
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         if self._dead is None:
-            self._send({"op": "abort", "id": request_id})
+            try:
+                self._send({"op": "abort", "id": request_id})
+            except EngineDeadError:
+                pass  # the process is gone, and the request with it
 
     def fail_requests(self, error: BaseException) -> None:
         for request_id, (stream, _, _) in list(self._streams.items()):
@@ -146,7 +154,7 @@ class RemoteEngine:
             self._dead = "the model was unloaded"
             try:
                 self._send({"op": "shutdown"})
-            except OSError:
+            except EngineDeadError:
                 pass
         self._end_process()
         self._fail_all(EngineDeadError("the model was unloaded"))
@@ -203,8 +211,12 @@ class RemoteEngine:
         self._streams.clear()
 
     def _send(self, message: dict[str, Any]) -> None:
+        """Raises EngineDeadError when the process has gone (before the reader has noticed)."""
         with self._send_lock:
-            wire.send(self._sock, message)
+            try:
+                wire.send(self._sock, message)
+            except OSError as exc:
+                raise EngineDeadError(f"the model's engine process ended ({exc.strerror or exc})") from None
 
     def _end_process(self, wait: bool = True) -> None:
         """Close the socket, which ends the process once it has let go of its model (a

@@ -45,7 +45,10 @@ def receive(sock: socket.socket) -> dict[str, Any]:
 def _read_exactly(sock: socket.socket, size: int) -> bytes:
     parts, left = [], size
     while left:
-        chunk = sock.recv(min(left, 1 << 20))
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except ConnectionResetError:  # it ended with our frame unread
+            chunk = b""
         if not chunk:
             raise ConnectionClosed("the other side closed the connection")
         parts.append(chunk)
