@@ -47,13 +47,10 @@ def main() -> int:
     try:
         running = _build(sock, load)
     except Exception as exc:  # noqa: BLE001  # told to the daemon in one line; it decides what to show
-        from ...errors import InsufficientMemoryError, LocalserveError
-
-        kind = "memory" if isinstance(exc, InsufficientMemoryError) else \
-            "user" if isinstance(exc, LocalserveError) else "engine"
-        if kind == "engine":
+        error = wire.error_to_wire(exc)
+        if error["kind"] == "engine":
             log.exception("loading %s failed", load["path"])
-        _send_quietly(sock, {"op": "failed", "kind": kind, "error": str(exc)})
+        _send_quietly(sock, {"op": "failed", **error})
         return 1
     try:
         asyncio.run(_serve(sock, running))
@@ -119,7 +116,7 @@ async def _serve(sock: socket.socket, engine: Any) -> None:
     inner = engine.engine
     wire.send(sock, {
         "op": "loaded", "clock": time.monotonic(), "max_model_len": inner.max_model_len,
-        "max_in_flight": engine.max_in_flight, "memory": engine.memory,
+        "memory": engine.memory,
         "kv_tokens": inner.kv.device.num_blocks * inner.config.block_size,
         "cpu_kv_tokens": inner.kv.cpu.num_blocks * inner.config.block_size,
         "kv_dtype": str(inner.kv_dtype).removeprefix("torch."), "device_name": device_name(str(inner.device)),
@@ -156,17 +153,12 @@ def _read_commands(sock: socket.socket, loop: asyncio.AbstractEventLoop,
 
 async def _forward(sock: socket.socket, engine: Any, command: dict[str, Any],
                    forwards: dict[str, asyncio.Task[None]]) -> None:
-    from ...engine.async_engine import QueueFullError
-    from ...errors import LocalserveError
-
     request_id = command["id"]
     try:
         stream = await engine.add_request(command["prompt"], wire.sampling_params_from_wire(command["params"]),
                                           request_id, wire.pooling_from_wire(command["pooling"]))
     except Exception as exc:  # noqa: BLE001  # every refusal goes back to the waiting request
-        kind = "queue_full" if isinstance(exc, QueueFullError) else \
-            "user" if isinstance(exc, LocalserveError) else "engine"
-        wire.send(sock, {"op": "rejected", "id": request_id, "kind": kind, "error": str(exc)})
+        wire.send(sock, {"op": "rejected", "id": request_id, **wire.error_to_wire(exc)})
         forwards.pop(request_id, None)
         return
     wire.send(sock, {"op": "accepted", "id": request_id})

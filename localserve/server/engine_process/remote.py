@@ -16,12 +16,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ...engine.async_engine import EngineDeadError, QueueFullError, RequestSnapshot, RequestStream
+from ...engine.async_engine import EngineDeadError, RequestSnapshot, RequestStream
 from ...engine.config import EngineConfig
 from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import PoolingParams, SamplingParams
 from ...engine.stats import EngineStats, LoadProgress
-from ...errors import InsufficientMemoryError, LocalserveError
 from ...formats import open_checkpoint
 from . import wire
 from .spawn import spawn, take_spare
@@ -82,13 +81,12 @@ class RemoteEngine:
             raise
         if loaded["op"] == "failed":
             self._end_process()
-            raise _load_error(loaded)
+            raise wire.error_from_wire(loaded, engine_error=_EngineLoadError)
         self.engine = EngineFacts(checkpoint, tokenizer, config, loaded["max_model_len"], loaded["kv_tokens"],
                                   loaded["cpu_kv_tokens"], loaded["kv_dtype"])
         self.memory: dict[str, int | str] = loaded["memory"]
         self.device_name: str = loaded["device_name"]
         self.cpu_kernels: str | None = loaded["cpu_kernels"]  # the CPU kernels' build, for the start-up summary
-        self.max_in_flight: int = loaded["max_in_flight"]
         self._clock_offset = time.monotonic() - loaded["clock"]  # the same clock on Linux; kept honest anyway
         self.stats: EngineStats | None = None
         self.requests: list[RequestSnapshot] = []
@@ -112,9 +110,6 @@ class RemoteEngine:
                           request_id: str | None = None, pooling: PoolingParams | None = None) -> RequestStream:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        if self.num_in_flight >= self.max_in_flight:
-            raise QueueFullError(f"{self.num_in_flight} requests are in flight, the most this model queues; "
-                                 "retry shortly")
         self._loop = loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self)  # type: ignore[arg-type]
@@ -186,7 +181,7 @@ class RemoteEngine:
         if op in ("accepted", "rejected"):
             future = self._pending.get(request_id)
             if future is not None and not future.done():
-                future.set_result(None) if op == "accepted" else future.set_exception(_refusal(message))
+                future.set_result(None) if op == "accepted" else future.set_exception(wire.error_from_wire(message))
             return
         entry = self._streams.get(request_id)
         if entry is None:
@@ -233,17 +228,9 @@ class RemoteEngine:
             self._process.wait()
 
 
-def _load_error(message: dict[str, Any]) -> BaseException:
-    if message["kind"] == "memory":
-        return InsufficientMemoryError(message["error"])
-    if message["kind"] == "user":
-        return LocalserveError(message["error"])
-    return RuntimeError(f"the engine process failed: {message['error']}")
 
+class _EngineLoadError(RuntimeError):
+    """The engine process failed to load for a reason of its own (a bug, the device)."""
 
-def _refusal(message: dict[str, Any]) -> BaseException:
-    if message["kind"] == "queue_full":
-        return QueueFullError(message["error"])
-    if message["kind"] == "user":
-        return LocalserveError(message["error"])
-    return EngineDeadError(message["error"])
+    def __init__(self, message: str) -> None:
+        super().__init__(f"the engine process failed: {message}")

@@ -10,12 +10,14 @@ import socket
 import struct
 from typing import Any
 
+from ...engine.async_engine import EngineDeadError, QueueFullError
 from ...engine.config import EngineConfig
 from ...engine.output_format import OutputFormat
 from ...engine.outputs import RequestOutput, TokenLogprobs
 from ...engine.sampling_params import PoolingParams, SamplingParams
 from ...engine.speculative.config import SpeculativeConfig
 from ...engine.stats import EngineStats
+from ...errors import InsufficientMemoryError, LocalserveError
 
 _HEADER = struct.Struct("<I")
 # The largest frame either side accepts: a step's outputs for every running request, or a
@@ -141,3 +143,20 @@ def output_from_wire(data: dict[str, Any], previous: RequestOutput | None, promp
 
 def stats_from_wire(data: dict[str, Any] | None) -> EngineStats | None:
     return None if data is None else EngineStats.from_dict(data)
+
+
+# An error that crosses, by kind: the daemon raises the same class the engine did, so its
+# routes answer as for an engine on a thread (429, 503 after unloading, 400, 500).
+_ERROR_KINDS: tuple[tuple[str, type[BaseException]], ...] = (
+    ("queue_full", QueueFullError), ("memory", InsufficientMemoryError), ("user", LocalserveError))
+
+
+def error_to_wire(exc: BaseException) -> dict[str, str]:
+    kind = next((name for name, cls in _ERROR_KINDS if isinstance(exc, cls)), "engine")
+    return {"kind": kind, "error": str(exc)}
+
+
+def error_from_wire(data: dict[str, Any], engine_error: type[BaseException] = EngineDeadError) -> BaseException:
+    """The error ``error_to_wire`` sent; ``engine_error`` for a failure of the engine itself."""
+    cls = next((cls for name, cls in _ERROR_KINDS if name == data["kind"]), engine_error)
+    return cls(data["error"])
