@@ -161,6 +161,32 @@ def test_an_engine_process_refuses_a_load_that_does_not_fit(monkeypatch: pytest.
         _check_room(load, config)
 
 
+def test_a_process_that_refused_a_load_for_memory_takes_the_retry() -> None:
+    """A load refused as short of memory (before anything was allocated) keeps its process,
+    torch imported, as the daemon's spare: the manager's retry (after it unloaded a model)
+    takes it instead of starting another and waiting for torch again."""
+    import dataclasses
+
+    from localserve.engine.stats import LoadProgress
+    from localserve.errors import InsufficientMemoryError
+    from localserve.server.engine_process import spawn
+    from localserve.server.engine_process.remote import RemoteEngine
+
+    config = small_engine_config()
+    too_big = dataclasses.replace(config, kv_cache_memory=1 << 50)  # a pool no host has
+    with pytest.raises(InsufficientMemoryError, match="needs ~"):
+        RemoteEngine(STORIES_GGUF, "tiny", too_big, "cpu", None, 8, LoadProgress(), check_room=True)
+    [refused] = engine_processes()
+    engine = RemoteEngine(STORIES_GGUF, "tiny", config, "cpu", None, 8, LoadProgress(), check_room=True)
+    try:
+        assert [process.pid for process in engine_processes()] == [refused.pid]
+        assert engine.engine.kv_tokens > 0
+    finally:
+        engine.shutdown()
+    assert wait_until(lambda: not engine_processes(), timeout=30)
+    assert spawn.take_spare() is None
+
+
 def test_what_crosses_to_an_engine_process_arrives_as_it_was_sent() -> None:
     """Every field of a request's settings survives the JSON frames (token ids as dict keys
     and tuples included), and outputs sent as their new parts add up to the cumulative ones."""

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from ...errors import InsufficientMemoryError
 from ...logs import configure_logging
 from . import wire
 
@@ -39,19 +40,26 @@ def main() -> int:
     for module in _ENGINE_MODULES:
         importlib.import_module(module)
 
-    try:
-        load = wire.receive(sock)
-    except wire.ConnectionClosed:  # the daemon ended before it needed this process
-        return 0
-    configure_logging(load["log_level"])
-    try:
-        running = _build(sock, load)
-    except Exception as exc:  # noqa: BLE001  # told to the daemon in one line; it decides what to show
-        error = wire.error_to_wire(exc)
-        if error["kind"] == "engine":
-            log.exception("loading %s failed", load["path"])
-        _send_quietly(sock, {"op": "failed", **error})
-        return 1
+    while True:
+        try:
+            load = wire.receive(sock)
+        except wire.ConnectionClosed:  # the daemon ended before it needed this process
+            return 0
+        configure_logging(load["log_level"])
+        try:
+            running = _build(sock, load)
+            break
+        except Exception as exc:  # noqa: BLE001  # told to the daemon in one line; it decides what to show
+            error = wire.error_to_wire(exc)
+            if error["kind"] == "engine":
+                log.exception("loading %s failed", load["path"])
+            # Refused for want of memory before anything was allocated, this process (torch
+            # imported) takes the load the daemon retries once it has unloaded a model: the
+            # daemon keeps it as its spare meanwhile.
+            reusable = isinstance(exc, _NoRoom)
+            _send_quietly(sock, {"op": "failed", "reusable": reusable, **error})
+            if not reusable:
+                return 1
     try:
         asyncio.run(_serve(sock, running))
     except OSError:  # the daemon went away mid-send: nothing is left to answer
@@ -96,15 +104,18 @@ def _build(sock: socket.socket, load: dict[str, Any]) -> Any:
         reporter.join()
 
 
+class _NoRoom(InsufficientMemoryError):
+    """The load would not fit the host memory available; refused before anything was allocated."""
+
+
 def _check_room(load: dict[str, Any], config: Any) -> None:
     from ...engine.host_memory import available_host_memory
-    from ...errors import InsufficientMemoryError
     from ..footprint import needed_bytes
 
     needed = needed_bytes(load["path"], config, load["device"], load["dtype"])
     available = available_host_memory().available
     if needed is not None and needed > available:
-        raise InsufficientMemoryError(f"loading {load['name']} needs ~{needed >> 20} MiB, "
+        raise _NoRoom(f"loading {load['name']} needs ~{needed >> 20} MiB, "
                                       f"{available >> 20} MiB are available")
 
 

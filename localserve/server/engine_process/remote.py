@@ -23,7 +23,7 @@ from ...engine.sampling_params import PoolingParams, SamplingParams
 from ...engine.stats import EngineStats, LoadProgress
 from ...formats import open_checkpoint
 from . import wire
-from .spawn import spawn, take_spare
+from .spawn import keep_as_spare, spawn, take_spare
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,10 @@ class RemoteEngine:
             self._end_process(wait=False)
             raise
         if loaded["op"] == "failed":
-            self._end_process()
+            # A process that refused the load before allocating anything (too little memory)
+            # is kept as the spare: the manager unloads a model and retries with it.
+            if not (loaded["reusable"] and keep_as_spare(self._process, self._sock)):
+                self._end_process()
             raise wire.error_from_wire(loaded, engine_error=_EngineLoadError)
         self.engine = EngineFacts(checkpoint, tokenizer, config, loaded["max_model_len"], loaded["kv_tokens"],
                                   loaded["cpu_kv_tokens"], loaded["kv_dtype"])

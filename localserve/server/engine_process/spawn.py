@@ -33,6 +33,16 @@ def take_spare() -> tuple[subprocess.Popen[bytes], socket.socket] | None:
     return spare
 
 
+def keep_as_spare(process: subprocess.Popen[bytes], sock: socket.socket) -> bool:
+    """Keep a running process that loaded nothing as the spare; False when there is one already."""
+    global _spare
+    with _spare_lock:
+        if _spare is None and process.poll() is None:
+            _spare = (process, sock)
+            return True
+    return False
+
+
 def spawn() -> tuple[subprocess.Popen[bytes], socket.socket]:
     parent, child = socket.socketpair()
     with child:
