@@ -115,8 +115,7 @@ def _check_room(load: dict[str, Any], config: Any) -> None:
     needed = needed_bytes(load["path"], config, load["device"], load["dtype"])
     available = available_host_memory().available
     if needed is not None and needed > available:
-        raise _NoRoom(f"loading {load['name']} needs ~{needed >> 20} MiB, "
-                                      f"{available >> 20} MiB are available")
+        raise _NoRoom(f"loading {load['name']} needs ~{needed >> 20} MiB, {available >> 20} MiB are available")
 
 
 async def _serve(sock: socket.socket, engine: Any) -> None:
