@@ -231,7 +231,6 @@ class RemoteEngine:
             self._process.wait()
 
 
-
 class _EngineLoadError(RuntimeError):
     """The engine process failed to load for a reason of its own (a bug, the device)."""
 
