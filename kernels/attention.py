@@ -31,14 +31,18 @@ def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     - ``window``: a token at position p sees only the keys at positions above ``p - window``;
     - ``softcap`` > 0: each scaled score s becomes ``softcap * tanh(s / softcap)`` (Gemma 2);
     - ``sinks``: one fp32 logit per query head that joins each row's softmax without a
-      value, so a row may give little weight to every key (GPT-OSS)."""
+      value, so a row may give little weight to every key (GPT-OSS);
+    - ``meta.bidirectional``: ranges of positions whose tokens see each other's keys too
+      (the window still applies)."""
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must hold at least one token, not {window}")
     if softcap < 0:
         raise ValueError(f"a soft cap must be positive (or 0 for none), not {softcap}")
     if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.dtype != torch.float32):
         raise ValueError(f"sinks must be float32 [{query.shape[1]}], not {sinks.dtype} {list(sinks.shape)}")
-    kernels = _kernels(query)
+    # Ranges that see ahead (images' tokens, in a few prefill steps) take the reference:
+    # the C++ and Triton kernels are causal only.
+    kernels = attention_ref if meta.bidirectional else _kernels(query)
     return kernels.paged_attention(query, cache.key, cache.value, meta, scale, cache.key_scale, cache.value_scale,
                                    window, softcap, sinks)
 

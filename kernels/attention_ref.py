@@ -160,6 +160,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
             key_pos = torch.arange(seq_len, device=query.device)
             mask = key_pos <= q_pos[:, None]
+            for start, end in (meta.bidirectional or {}).get(b, ()):
+                mask |= ((q_pos >= start) & (q_pos < end))[:, None] & (key_pos >= start) & (key_pos < end)
             if variant.window:
                 mask &= key_pos > q_pos[:, None] - variant.window
             o = variant.attend(q, k, v, mask)

@@ -41,6 +41,10 @@ class AttentionMetadata:
     # Host copies, so CPU code can loop without device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Sequence index -> position ranges [start, end) whose tokens also see each other's
+    # keys, not only those before them (an image's tokens in Gemma 3); each range lies
+    # within what the sequence has cached after this step. None: causal everywhere.
+    bidirectional: dict[int, list[tuple[int, int]]] | None = None
 
     @property
     def num_seqs(self) -> int:

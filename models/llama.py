@@ -161,15 +161,21 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        embeds_at: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V."""
+        """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V.
+        ``embeds_at`` (rows, embeddings): input embeddings that replace those rows' token
+        embeddings (an image's tokens, from its encoder; the text scale is not applied)."""
         x = self.embed.lookup(input_ids, self.dtype)
         if self.embedding_scale != 1.0:
             x = x * self.embedding_scale
+        if embeds_at is not None:
+            x[embeds_at[0]] = embeds_at[1].to(x.dtype)
         ropes = [self.rotary.lookup(positions, x.dtype)]
         if self.local_rotary is not None:
             ropes.append(self.local_rotary.lookup(positions, x.dtype))
-        stack = self._cpu_stack(kv_caches) if use_cpu_kernels(x) else None
+        # The C++ stack's attention is causal only: a step with tokens that see ahead runs the modules.
+        stack = self._cpu_stack(kv_caches) if use_cpu_kernels(x) and not meta.bidirectional else None
         if stack is not None:
             return stack.run(x, ropes, meta)  # the final norm included
         for layer, cache in zip(self.layers, kv_caches):

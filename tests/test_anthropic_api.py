@@ -377,7 +377,11 @@ def test_errors_come_in_anthropics_shape(claude: anthropic.Anthropic, server: Ru
         ({"max_tokens": 0}, "max_tokens"),
         ({"extra_body": {"temperature": 1.5}}, "temperature"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "image blocks are not supported"),
+            "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "stories does not read images"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+            "type": "url", "url": "https://example.com/a.png"}}]}]}, "not fetched: send it inline"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+         "document blocks are not supported"),
         ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),
         ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
          "tool_use blocks belong in assistant messages"),

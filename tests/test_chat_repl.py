@@ -387,3 +387,27 @@ def test_both_backends_tell_thinking_from_the_answer(tmp_path) -> None:  # type:
         streamed = list(DaemonClient(server.url).stream_text("/v1/chat/completions", body))
     thinking = "".join(p for p in streamed if isinstance(p, Thinking))
     assert thinking and "".join(p for p in streamed if not isinstance(p, Thinking)) == "Yes."
+
+
+def test_an_image_goes_with_the_next_message_only(tmp_path) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 6), "red").save(buffer, format="PNG")
+    (tmp_path / "red.png").write_bytes(buffer.getvalue())
+    result = chat(f"/image {tmp_path / 'red.png'}", "what is it?", "and now?")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    assert result.model.sent[0] == [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]}]
+    assert result.model.sent[1][-1] == user("and now?")
+    assert "Added image" in result.output
+
+
+def test_an_image_that_cannot_be_read_is_refused_and_the_chat_goes_on(tmp_path) -> None:
+    (tmp_path / "text.png").write_text("not an image")
+    result = chat(f"/image {tmp_path / 'missing.png'}", f"/image {tmp_path / 'text.png'}", "hi")
+    assert result.model.sent == [[user("hi")]]
+    assert result.output.count("error: ") == 2 and "No such file" in result.output

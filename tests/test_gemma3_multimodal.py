@@ -1,6 +1,6 @@
 """Gemma 3's image-text checkpoints (4B, 12B, 27B; ``model_type`` gemma3) served as text
 models: the language model read from under ``text_config`` and its tensor prefix, the
-vision tower left unread. One tiny random model in two layouts (see ``folders``), one with
+vision tower's tensors left to the image side (tests/test_vision_gemma3.py). One tiny random model in two layouts (see ``folders``), one with
 the released checkpoints' config: a ``text_config`` holding only what differs from
 Gemma3TextConfig's defaults, its rope settings in the old ``rope_scaling`` form. The oracle
 is transformers' own Gemma3ForConditionalGeneration loading each folder, run on text alone."""
@@ -87,7 +87,7 @@ def test_released_config_reads_as_transformers_reads_it(folders) -> None:
     assert spec.eos_token_ids == [1, 106] and spec.tie_word_embeddings
 
 
-def test_show_counts_the_text_model_and_says_images_are_not_served(folders) -> None:
+def test_show_counts_the_text_model_and_says_images_are_read(folders) -> None:
     from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
     from localserve.facts.checkpoint import model_info
@@ -96,7 +96,8 @@ def test_show_counts_the_text_model_and_says_images_are_not_served(folders) -> N
     with torch.device("meta"):
         reference = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(folders["saved"]))
     assert info["parameters"] == reference.model.language_model.num_parameters() and info["image_text"]
-    assert ("images", "not served: the text model runs, its vision tower is not loaded") in lines
+    assert ("images", "read (OpenAI image_url, Ollama images, Anthropic image blocks): a 1-layer SigLIP tower "
+                      "at 56 px, 4 tokens per image") in lines
 
 
 @pytest.mark.parametrize("layout", ["saved", "sparse"])

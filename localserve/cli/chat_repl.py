@@ -23,13 +23,14 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from ..client import Stopped, Thinking
 from ..errors import LocalserveError
 
-__all__ = ["CONTINUATION_PROMPT", "ChatSettings", "Generate", "HELP", "PROMPT", "chat_loop", "messages_for",
-           "stdin_reader", "write_stdout"]
+__all__ = ["CONTINUATION_PROMPT", "ChatSettings", "Generate", "HELP", "PROMPT", "chat_loop", "image_data_url",
+           "messages_for", "stdin_reader", "user_message", "write_stdout"]
 
 PROMPT = ">>> "
 CONTINUATION_PROMPT = "... "
@@ -40,6 +41,7 @@ Available commands:
   /set            Set a sampling setting or the system prompt (/set alone lists them)
   /show           Show the current settings and system prompt
   /clear          Forget the conversation (the system prompt stays)
+  /image <path>   Send an image with the next message (models that read images)
   /bye, /exit     Exit (Ctrl-D works too)
   /?, /help       Show this help
 
@@ -75,12 +77,40 @@ class ChatSettings:
 
 # A backend: given the whole conversation (OpenAI-style messages, the system message first
 # when set) and the settings, yields the reply's text in pieces as they are generated.
-Generate = Callable[[list[dict[str, str]], ChatSettings], Iterator[str]]
+Generate = Callable[[list[dict[str, Any]], ChatSettings], Iterator[str]]
 ReadLine = Callable[[str], str]
 Write = Callable[[str], None]
 
 
-def messages_for(history: list[dict[str, str]], settings: ChatSettings) -> list[dict[str, str]]:
+def image_data_url(path: str | Path) -> str:
+    """A local image file as a data URL for a chat message, checked as the daemon checks
+    one (its size, its pixel count from the header, that it decodes)."""
+    import base64
+
+    from ..vision.image_input import ImageLimits, image_from_bytes
+
+    path = Path(path).expanduser()
+    try:
+        size = path.stat().st_size
+        if size > ImageLimits().max_bytes:
+            raise LocalserveError(f"{path}: {size:,} bytes, over the {ImageLimits().max_bytes:,} an image may take")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise LocalserveError(f"{path}: {exc.strerror or exc}") from None
+    image = image_from_bytes(data)
+    return f"data:image/{image.format.lower()};base64,{base64.b64encode(data).decode()}"
+
+
+def user_message(text: str, image_urls: list[str]) -> dict[str, Any]:
+    """A user message: its text alone, or with images first (as Ollama lays them out) as
+    OpenAI's content parts."""
+    if not image_urls:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [*({"type": "image_url", "image_url": {"url": url}} for url in image_urls),
+                                        {"type": "text", "text": text}]}
+
+
+def messages_for(history: list[dict[str, Any]], settings: ChatSettings) -> list[dict[str, Any]]:
     """The messages to send: the system prompt (when set) first, then the conversation.
 
     The dicts are copies, so a backend that edits what it is given cannot change the
@@ -216,7 +246,8 @@ class _Session:
     generate: Generate
     settings: ChatSettings
     write: Write
-    history: list[dict[str, str]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)  # data URLs, for the next message
 
     def command(self, text: str) -> bool:
         """Run one command line; False when it ends the chat."""
@@ -232,15 +263,30 @@ class _Session:
             self.write(_describe(self.settings))
         elif name == "/show":
             self.write(f"error: unknown /show option '{args.strip()}'. Try /show settings\n")
+        elif name == "/image":
+            self._add_image(args.strip())
         elif name in ("/?", "/help"):
             self.write(HELP)
         else:
             self.write(f"Unknown command '{name}'. Type /? for help\n")
         return True
 
+    def _add_image(self, path: str) -> None:
+        if not path:
+            self.write("Usage: /image <path>\n")
+            return
+        try:
+            self.images.append(image_data_url(path))
+        except LocalserveError as error:
+            self.write(f"error: {error}\n")
+            return
+        self.write(f"Added image {path}: it goes with your next message.\n")
+
     def send(self, text: str) -> None:
-        """One turn: send `text` with the history before it and stream the reply."""
-        self.history.append({"role": "user", "content": text})
+        """One turn: send `text` (with the images added since the last) and the history
+        before it, and stream the reply."""
+        self.history.append(user_message(text, self.images))
+        self.images = []
         pieces: list[str] = []
         stream: Iterator[str] | None = None
         try:
@@ -280,14 +326,16 @@ class _Session:
             self.history.pop()
 
 
-def chat_loop(generate: Generate, settings: ChatSettings, read_line: ReadLine, write: Write) -> None:
-    """Chat until ``/bye``, ``/exit`` or end of input (EOFError from `read_line`).
+def chat_loop(generate: Generate, settings: ChatSettings, read_line: ReadLine, write: Write,
+              images: list[str] | None = None) -> None:
+    """Chat until ``/bye``, ``/exit`` or end of input (EOFError from `read_line`);
+    ``images`` (data URLs) go with the first message.
 
     `settings` is the starting point; ``/set`` changes a copy, so the caller's object is
     left as it was. Errors a user can cause (`LocalserveError` from `generate`) are shown
     and the chat goes on; anything else is a bug and propagates.
     """
-    session = _Session(generate, replace(settings), write)
+    session = _Session(generate, replace(settings), write, images=list(images or []))
     while True:
         try:
             entry = _read_entry(read_line)

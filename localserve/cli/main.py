@@ -219,6 +219,9 @@ def main() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=None, help="0 is no limit; default: the model's own, else 0.")
 @click.option("--seed", type=int, default=None)
 @click.option("--raw", is_flag=True, help="Complete PROMPT as plain text, without the chat template.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="An image to send with PROMPT (or the chat's first message), for models that read images; "
+                   "repeat for more. In a chat, /image PATH adds one to the next message.")
 @click.option("--format", "output_format", type=click.Choice(["json"]), default=None,
               help="Answer with a JSON object (enforced token by token).")
 @click.option("--schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
@@ -227,15 +230,20 @@ def main() -> None:
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device (in-process only).")
 @engine_options
 def run(model: str, prompt: str | None, system: str | None, max_tokens: int | None, temperature: float | None,
-        top_p: float | None, top_k: int | None, seed: int | None, raw: bool, output_format: str | None, schema: Path | None,
-        device: str | None, dtype: str | None, **options: object) -> None:
+        top_p: float | None, top_k: int | None, seed: int | None, raw: bool, images: tuple[Path, ...],
+        output_format: str | None, schema: Path | None, device: str | None, dtype: str | None,
+        **options: object) -> None:
     """Chat with MODEL (a registry name, a .gguf file or an HF checkpoint folder), or
     answer PROMPT and exit. Runs on the daemon when it is up and serves MODEL, else
     loads the model here (then the engine options apply). The model's own defaults (a
     Modelfile's parameters and system prompt) apply where no flag is given."""
-    from .chat_repl import ChatSettings, chat_loop, messages_for, stdin_reader, write_stdout
+    from .chat_repl import ChatSettings, chat_loop, image_data_url, messages_for, stdin_reader, user_message, write_stdout
 
+    image_urls = [image_data_url(path) for path in images]  # checked before a model loads
     backend = _run_backend(model, device, dtype, options)
+    if image_urls and (raw or not backend.has_template):
+        raise LocalserveError("images need the model's chat template to place them: drop --raw" if raw
+                              else f"{model} has no chat template to place images in")
     if temperature is None:  # greedy unless the model says otherwise
         temperature = backend.settings.parameters.get("temperature", 0.0)
     settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed,
@@ -243,7 +251,7 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
                             json_object=output_format == "json")
     if prompt is not None:
         if backend.has_template and not raw:
-            pieces = backend.chat(messages_for([{"role": "user", "content": prompt}], settings), settings)
+            pieces = backend.chat(messages_for([user_message(prompt, image_urls)], settings), settings)
         else:
             pieces = backend.complete(prompt, settings)
         for piece in pieces:
@@ -253,9 +261,15 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
     if not backend.has_template:
         click.echo(f"{model} has no chat template: each message is completed as plain text, without history.",
                    err=True)
-    generate = backend.chat if backend.has_template else (
-        lambda messages, s: backend.complete(messages[-1]["content"], s))
-    chat_loop(generate, settings, stdin_reader(), write_stdout)
+    generate = backend.chat if backend.has_template else (lambda messages, s: backend.complete(_text(messages[-1]), s))
+    chat_loop(generate, settings, stdin_reader(), write_stdout, image_urls)
+
+
+def _text(message: dict[str, Any]) -> str:
+    """A message completed as plain text (a model without a chat template): its text alone."""
+    if isinstance(message["content"], list):
+        raise LocalserveError("this model has no chat template to place images in")
+    return message["content"]
 
 
 def _read_schema(path: Path) -> dict[str, Any]:

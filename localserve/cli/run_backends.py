@@ -4,17 +4,19 @@ closed (Ctrl-C in the chat)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .chat_repl import ChatSettings
 from ..client import DaemonClient, DaemonError, Stopped, Thinking
+from ..errors import LocalserveError
 from ..registry.settings import ModelSettings
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
     from ..engine.output_format import OutputFormat
+    from ..vision.image_input import ImageInput
 
 
 class Backend(Protocol):
@@ -22,7 +24,7 @@ class Backend(Protocol):
     where: str  # said to the user: "daemon at http://..." or "in-process"
     settings: ModelSettings  # the model's own defaults (a Modelfile's), under the user's flags
 
-    def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]: ...
+    def chat(self, messages: list[dict[str, Any]], settings: ChatSettings) -> Iterator[str]: ...
 
     def complete(self, prompt: str, settings: ChatSettings) -> Iterator[str]: ...
 
@@ -62,7 +64,7 @@ class DaemonBackend:
     def where(self) -> str:
         return f"daemon at {self.client.url}"
 
-    def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
+    def chat(self, messages: list[dict[str, Any]], settings: ChatSettings) -> Iterator[str]:
         body = {"model": self.model, "messages": messages, **_sampling_fields(settings), **_response_format(settings)}
         return self.client.stream_text("/v1/chat/completions", body)
 
@@ -82,14 +84,25 @@ class LocalBackend:
         self.template = engine.checkpoint.chat_template_or_none(settings.template)
         self.has_template = self.template is not None
 
-    def chat(self, messages: list[dict[str, str]], settings: ChatSettings) -> Iterator[str]:
+    def chat(self, messages: list[dict[str, Any]], settings: ChatSettings) -> Iterator[str]:
         from ..chat import reasoning
+        from ..server.protocol import ChatMessage
+        from ..vision.image_input import image_from_base64
 
         assert self.template is not None
+        # Read as the daemon reads them: images as the template's parts, laid out after rendering.
+        parsed = [ChatMessage.model_validate(message) for message in messages]
+        images = [image_from_base64(source) for message in parsed for source in message.image_sources()]
+        if images and self.engine.images is None:
+            raise LocalserveError("this model does not read images (its checkpoint has no vision tower)")
         # The model's own system prompt and opening turns, as the daemon puts them.
-        text = self.template.render(self.settings.conversation(messages), add_generation_prompt=True)
+        text = self.template.render(self.settings.conversation([m.plain() for m in parsed]),
+                                    add_generation_prompt=True)
+        if images:
+            assert self.engine.images is not None
+            text = self.engine.images.placement.expand_text(text, len(images))
         # The template writes BOS itself where the model wants it.
-        stream = self._stream(self._encode(text, add_special_tokens=False), settings)
+        stream = self._stream(self._encode(text, add_special_tokens=False), settings, images)
         if not reasoning.thinks(self.template.source):
             return stream
         return _split_thinking(stream, reasoning.ReasoningSplitter(inside=reasoning.starts_inside(text)))
@@ -100,18 +113,17 @@ class LocalBackend:
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Once, here: the prompt's length decides max_tokens, and the ids go to the engine.
         if self.engine.tokenizer is None:
-            from ..errors import LocalserveError
-
             raise LocalserveError("this model has no tokenizer, so it cannot take text")
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _stream(self, prompt: list[int], settings: ChatSettings) -> Iterator[str]:
+    def _stream(self, prompt: list[int], settings: ChatSettings, images: Sequence[ImageInput] = ()) -> Iterator[str]:
         from ..engine.sampling_params import SamplingParams
 
         room = max(self.engine.max_model_len - len(prompt), 1)  # the engine refuses a prompt with no room
         fields = {**self.settings.request_fields(), **_sampling_fields(settings)}  # the user's flags win
         fields["max_tokens"] = min(fields.get("max_tokens", room), room)
-        request_id = self.engine.add_request(prompt, SamplingParams(**fields, output_format=_output_format(settings)))
+        request_id = self.engine.add_request(prompt, SamplingParams(**fields, output_format=_output_format(settings)),
+                                             images=images)
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():

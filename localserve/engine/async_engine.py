@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,7 @@ from .sampling_params import PoolingParams, SamplingParams
 from .stats import EngineStats
 
 if TYPE_CHECKING:
+    from ..vision.image_input import ImageInput
     from .engine import Engine
 
 log = logging.getLogger(__name__)
@@ -151,9 +152,11 @@ class AsyncEngine:
     # -- the event-loop side ------------------------------------------------------------
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None,
-                          request_id: str | None = None, pooling: PoolingParams | None = None) -> RequestStream:
-        """Queue a request (with ``pooling``, an embedding: see ``Engine.add_request``);
-        raises the engine's LocalserveError when it refuses it."""
+                          request_id: str | None = None, pooling: PoolingParams | None = None,
+                          images: Sequence[ImageInput] = ()) -> RequestStream:
+        """Queue a request (with ``pooling``, an embedding; with ``images``, laid out in the
+        prompt: see ``Engine.add_request``); raises the engine's LocalserveError when it
+        refuses it."""
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
         if self.num_in_flight >= self.max_in_flight:
@@ -166,7 +169,7 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id, pooling)
+                self.engine.add_request(prompt_token_ids, params, request_id, pooling, images)
             except Exception as exc:  # LocalserveError (bad input) or a bug: the caller gets it
                 loop.call_soon_threadsafe(_settle, accepted, exc)
                 return

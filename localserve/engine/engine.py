@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ from .speculative.draft_model import DraftModel, load_draft_model
 from .speculative.speculator import Speculator
 from .stats import EngineStats, LoadProgress
 from .structured_output import StructuredOutputs
+from ..vision import load_image_encoder
+from ..vision.encoder import ImageSpan
+from ..vision.image_input import ImageInput
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,8 @@ class Engine:
         progress.step("loading weights", total=len(layout(spec).shapes))
         self.model = load_model(checkpoint, self.config, self.device, self.dtype, self.kernels, context, progress)
         self.draft = draft = self._load_draft_model(context, progress)
+        # An image-text model's vision side, loaded before the pool is sized: its weights count.
+        self.images = load_image_encoder(checkpoint, self.tokenizer, self.device, self.dtype)
         progress.step("sizing the KV cache")
         with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
@@ -202,13 +208,21 @@ class Engine:
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-        pooling: PoolingParams | None = None,
+        pooling: PoolingParams | None = None, images: Sequence[ImageInput] = (),
     ) -> str:
         """Queue a request: a generation, or with ``pooling`` an embedding (an embedding
-        model's only kind); its id."""
+        model's only kind); its id. ``images`` go where the prompt has an image marker
+        (``<start_of_image>`` for Gemma 3, as its chat template writes), in order."""
         self._check_kind(pooling)
         params = params or (SamplingParams(max_tokens=1) if pooling is not None else SamplingParams())
-        prompt_ids = self._encode(prompt)
+        spans: list[ImageSpan] = []
+        if images:
+            if self.images is None or pooling is not None:
+                raise LocalserveError("this model does not read images" if self.images is None
+                                      else "embeddings of images are not supported")
+            prompt_ids, spans = self.images.place(prompt, images)
+        else:
+            prompt_ids = self._encode(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise LocalserveError(f"request id {request_id!r} is already in use")
@@ -232,7 +246,7 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator)
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator, images=spans)
         if pooling is not None:
             request.pooling, request.pooling_method = pooling, self.spec.pooling
         if params.output_format is not None:
@@ -283,6 +297,9 @@ class Engine:
         self.kv.end_step()
         if not batch.requests:
             return []
+        if self.images is not None:
+            self.images.encode_step([(r.images, r.num_computed_tokens, r.num_computed_tokens + n)
+                                     for r, n in zip(batch.requests, batch.num_new_tokens) if r.images])
         result = self.runner.execute(batch)
         self._record_computed(batch, result)
         now = time.monotonic()

@@ -113,11 +113,13 @@ class BlockPool:
             self._hash_of[block] = None
 
 
-def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """The name of a full block: blake2b over the parent's name and the token ids.
-    (A cryptographic hash: a collision would silently serve another prompt's K/V.)"""
+def block_hash(parent: bytes | None, token_ids: list[int], images: bytes = b"") -> bytes:
+    """The name of a full block: blake2b over the parent's name, the token ids and the
+    hashes of the images whose tokens it holds. (A cryptographic hash: a collision would
+    silently serve another prompt's K/V.)"""
     digest = hashlib.blake2b(parent or b"", digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    digest.update(images)
     return digest.digest()
 
 
@@ -210,7 +212,8 @@ class KVCacheManager:
         size = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(block_hash(hashes[-1] if hashes else None, request.token_ids[i * size:(i + 1) * size]))
+            hashes.append(block_hash(hashes[-1] if hashes else None, request.token_ids[i * size:(i + 1) * size],
+                                     request.image_key(i * size, (i + 1) * size)))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:

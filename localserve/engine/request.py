@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from .sampling_params import PoolingParams, SamplingParams
 from .outputs import TokenLogprobs
 from .speculative.state import RequestSpeculation
 from .structured_output import Constraint
+
+if TYPE_CHECKING:
+    from ..vision.encoder import ImageSpan
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +61,7 @@ class Request:
     # verified in the next step, and what the speculator keeps about the request.
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: RequestSpeculation | None = None
+    images: list[ImageSpan] = field(default_factory=list)  # where its images' tokens are (vision/encoder.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -102,6 +107,12 @@ class Request:
             return 0
         owed_from = self.prompt_logprobs_owed_from
         return self.num_tokens - 1 if owed_from is None else owed_from
+
+    def image_key(self, start: int, end: int) -> bytes:
+        """The hashes of the images whose tokens fall in positions ``start`` to ``end``: an
+        image's placeholder tokens are the same for every image, so a cached block's name
+        must say which image filled them."""
+        return b"".join(span.image.digest for span in self.images if span.start < end and start < span.end)
 
     @property
     def finished(self) -> bool:

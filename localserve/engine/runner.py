@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class ModelInputs:
     prompt_targets: list[int]  # the prompt token each prompt-logprob row predicts
     # Embedding requests' chunks: (request, first row, rows, position of the first row).
     pooled_chunks: list[tuple[Request, int, int, int]]
+    # Rows that take an image's embeddings instead of their tokens' (rows, embeddings).
+    embeds_at: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +53,8 @@ class Span:
     start: int
     end: int
     block_table: list[int]
+    # Position ranges whose tokens see each other too (an image's in Gemma 3).
+    bidirectional: list[tuple[int, int]] = field(default_factory=list)
 
 
 def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
@@ -66,6 +70,7 @@ def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
         query_lens.append(span.end - span.start)
         query_start.append(query_start[-1] + query_lens[-1])
         seq_lens.append(span.end)
+    bidirectional = {b: span.bidirectional for b, span in enumerate(spans) if span.bidirectional}
     max_blocks = max([len(span.block_table) for span in spans] + [-(-rows // block_size) for rows in padding])
     tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
     for rows in padding:
@@ -83,6 +88,7 @@ def attention_metadata(spans: list[Span], block_size: int, device: torch.device,
         max_seq_len=max(seq_lens),
         query_lens_host=query_lens,
         seq_lens_host=seq_lens,
+        bidirectional=bidirectional or None,
     )
 
 
@@ -114,6 +120,8 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     sample_rows, to_sample = [], []
     prompt_rows, prompt_requests, prompt_targets = [], [], []
     pooled_chunks = []
+    image_rows: list[int] = []
+    image_embeds: list[torch.Tensor] = []
     for request, num_new in zip(batch.requests, batch.num_new_tokens):
         start = request.num_computed_tokens
         end = start + num_new
@@ -121,7 +129,16 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         input_ids.extend(request.token_ids[start:end])
         input_ids.extend(drafts[:end - request.num_tokens])
         positions.extend(range(start, end))
-        spans.append(Span(start, end, request.block_table))
+        span = Span(start, end, request.block_table)
+        for image in request.images:
+            first, last = max(start, image.start), min(end, image.end)
+            if first < last:
+                assert image.embeds is not None, "the step's images are encoded before it runs"
+                image_rows.extend(range(rows + first - start, rows + last - start))
+                image_embeds.append(image.embeds[first - image.start:last - image.start])
+                if image.bidirectional:
+                    span.bidirectional.append((image.start, image.end))
+        spans.append(span)
         owed_from = request.prompt_logprobs_owed_from  # past any recorded before a recompute
         if owed_from is not None:  # position p predicts prompt token p + 1
             owed = range(max(start, owed_from), min(end, request.num_prompt_tokens - 1))
@@ -154,6 +171,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         prompt_requests=prompt_requests,
         prompt_targets=prompt_targets,
         pooled_chunks=pooled_chunks,
+        embeds_at=(host_tensor(image_rows, torch.int64, device), torch.cat(image_embeds)) if image_rows else None,
     )
 
 
@@ -225,7 +243,8 @@ class ModelRunner:
         if shape is not None:
             hidden = self.graphs.replay(shape, inputs.input_ids, inputs.positions, inputs.meta)  # type: ignore[union-attr]
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                embeds_at=inputs.embeds_at)
         embeddings = self._pool(hidden, inputs.pooled_chunks)
         if not inputs.to_sample and not inputs.prompt_requests:
             return RunnerOutput([], None, [], embeddings)

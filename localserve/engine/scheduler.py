@@ -6,7 +6,8 @@ not fit are dropped), a partly prefilled prompt takes the next chunk that fits. 
 out to the CPU tier come back, oldest first, and only when none is left do waiting
 requests join, first come first served, each starting after its cached prefix, while
 budget, sequence slots and free blocks last; a long prompt joins with whatever chunk
-of it fits.
+of it fits. A chunk never splits an image whose tokens see each other (Gemma 3's): it
+ends before the image, or takes it whole.
 
 When a running request needs a block and none is free, the newest running request is
 preempted: swapped out to the CPU tier when that has room for its blocks, otherwise
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .kv_cache import BlockCopies, KVCacheManager
+from ..vision.encoder import ImageEncoder
 from .request import Request, RequestStatus
 
 
@@ -71,7 +73,7 @@ class Scheduler:
         return batch
 
     def _remaining(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        return _chunk(request, request.num_computed_tokens, budget)
 
     def _with_drafts(self, request: Request, budget: int) -> int:
         """The request's next tokens and, after them, the draft tokens the budget has room
@@ -118,7 +120,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv.find_cached_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            num_new = _chunk(request, hit.num_tokens, budget)
             if not self.kv.admit(request, hit, num_new):
                 break
             self.waiting.popleft()
@@ -154,3 +156,10 @@ class Scheduler:
                 break
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
+
+
+def _chunk(request: Request, start: int, budget: int) -> int:
+    """How many of the request's tokens from ``start`` this step computes: what the budget
+    allows, kept from splitting an image whose tokens see each other (vision/encoder.py)."""
+    num_new = min(request.num_tokens - start, budget)
+    return ImageEncoder.fit_chunk(request.images, start, num_new) if request.images else num_new

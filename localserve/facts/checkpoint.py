@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from ..errors import LocalserveError
 from ..formats import Checkpoint, open_checkpoint
 from ..formats.gguf_file import GGML_TYPES
 from ..formats.gpt_oss import MXFP4
@@ -92,8 +93,21 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         lines.insert(2, ("embeddings", f"{spec.hidden_size:,} values, {pooled[spec.pooling]} hidden state: an "
                                        "embedding model (it answers /v1/embeddings and /api/embed, not chat)"))
     if checkpoint.image_text:
-        lines.insert(2, ("images", "not served: the text model runs, its vision tower is not loaded"))
+        lines.insert(2, ("images", _images(checkpoint)))
     return info, lines
+
+
+def _images(checkpoint: Checkpoint) -> str:
+    from ..vision.config import read_image_config
+
+    try:
+        config = read_image_config(checkpoint)
+    except LocalserveError as exc:
+        return f"not readable: {exc}"
+    assert config is not None  # an image-text checkpoint
+    tower = config.vision
+    return (f"read (OpenAI image_url, Ollama images, Anthropic image blocks): a {tower.num_layers}-layer SigLIP "
+            f"tower at {tower.image_size} px, {config.tokens_per_image} tokens per image")
 
 
 def _windows(spec: ModelSpec) -> str:

@@ -43,6 +43,8 @@ class Checkpoint:
     image_text: bool = False
     # Tensors saved from the bare model class, without the ``model.`` prefix (formats/embedding.py).
     bare: bool = False
+    # An image-text checkpoint's vision tower and projector, under multimodal.vision_name's names.
+    vision_headers: list[TensorHeader] = field(default_factory=list)
 
     @property
     def quantized_gguf(self) -> bool:
@@ -120,7 +122,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         _check_group_size(spec, quant)
     files = hf.shard_files(path)
     headers = hf.read_headers(files)
+    vision_headers: list[TensorHeader] = []
     if text_config is not None:
+        vision_headers = multimodal.vision_headers(headers)
         headers = multimodal.text_headers(headers)
     bare = embedding.saved_bare({name for name, _, _ in headers})
     if bare:
@@ -133,7 +137,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     hf.check_headers(spec, headers)
     _merge_generation_eos(path, spec)
     return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant,
-                      image_text=text_config is not None, bare=bare)
+                      image_text=text_config is not None, bare=bare, vision_headers=vision_headers)
 
 
 def _check_group_size(spec: ModelSpec, quant: QuantConfig) -> None:

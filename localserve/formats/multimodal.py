@@ -1,6 +1,6 @@
 """The text model of an image-text HF checkpoint (Gemma 3 4B, 12B, 27B: ``model_type``
-``gemma3``), read as the text-only checkpoint it contains; the vision tower and projector
-are left unread, since localserve takes text alone.
+``gemma3``), read as the text-only checkpoint it contains, and the names of its vision
+tower's and projector's tensors, which the image side (localserve/vision/) reads.
 
 Such a checkpoint nests the language model's settings under ``text_config`` and its
 tensors under a prefix: ``language_model.model.`` (the released files, written by
@@ -70,6 +70,29 @@ def text_name(name: str) -> str | None:
         if name.startswith(prefix):
             return canonical + name[len(prefix):]
     return None
+
+
+# Where the image side's tensors live -> the names below localserve's vision model
+# (vision/gemma3.py): the tower (released files: ``vision_tower.vision_model.``;
+# transformers 5: ``vision_tower.``) and the projector.
+_VISION_PREFIXES = (("model.vision_tower.vision_model.", "tower."), ("vision_tower.vision_model.", "tower."),
+                    ("model.vision_tower.", "tower."), ("vision_tower.", "tower."),
+                    ("model.multi_modal_projector.", "projector."), ("multi_modal_projector.", "projector."))
+
+
+def vision_name(name: str) -> str | None:
+    """The vision model's name for an image-text checkpoint's tensor, or None for the text
+    side's and for SigLIP's pooling head (saved when the config leaves ``vision_use_head``
+    at SigLIP's default; Gemma 3 takes the patches, not the pooled vector)."""
+    for prefix, canonical in _VISION_PREFIXES:
+        if name.startswith(prefix):
+            renamed = canonical + name[len(prefix):]
+            return None if renamed.startswith("tower.head.") else renamed
+    return None
+
+
+def vision_headers(headers: Iterable[TensorHeader]) -> list[TensorHeader]:
+    return [(renamed, shape, dtype) for name, shape, dtype in headers if (renamed := vision_name(name)) is not None]
 
 
 def text_headers(headers: Iterable[TensorHeader]) -> list[TensorHeader]:

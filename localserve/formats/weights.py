@@ -47,6 +47,12 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
     return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors
 
 
+def iter_vision_weights(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of an image-text checkpoint's vision tower and projector
+    (``multimodal.vision_name``'s names), the text model's tensors skipped unread."""
+    return _safetensors(checkpoint.files, multimodal.vision_name)
+
+
 def _safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None,
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in the shards, under ``rename``'s names (None:
@@ -123,7 +129,7 @@ def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorS
             yield TensorSize(info.name, info.n_elements, gguf.tensor_nbytes(info.name), loaded)
         return
     quant = checkpoint.quant
-    for name, shape, stored in checkpoint.headers:
+    for name, shape, stored in [*checkpoint.headers, *checkpoint.vision_headers]:  # the vision side's too
         if name == "lm_head.weight" and checkpoint.spec.tie_word_embeddings:
             continue  # the embeddings serve as the head
         if stored == gpt_oss.MXFP4:

@@ -52,7 +52,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
 
     return await generate(request, chat, prompts,
                           lambda model, choices: _MessageShaper(body, choices[0], prompt.reply_format),
-                          prompt.sampling, events=ANTHROPIC_EVENTS)
+                          prompt.sampling, events=ANTHROPIC_EVENTS, images=lambda: prompt.images)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from ..errors import LocalserveError
-from .protocol import MAX_MESSAGES, MAX_STOP, ChatCompletionRequest, JsonSchema, ModelField, Text
+from .protocol import MAX_MESSAGES, MAX_STOP, ChatCompletionRequest, ImageData, JsonSchema, ModelField, Text
 
 MESSAGES_PATH = "/v1/messages"
 MAX_TOOLS = 256
@@ -66,29 +66,58 @@ class ThinkingBlock(_Strict):
     type: Literal["thinking", "redacted_thinking"]
 
 
+class ImageSource(_Strict):
+    type: Literal["base64", "url", "file"]
+    media_type: Annotated[str, Field(max_length=64)] | None = None
+    data: ImageData | None = None
+
+    @model_validator(mode="after")
+    def _inline(self) -> ImageSource:
+        if self.type != "base64":
+            raise ValueError(f"an image of source type {self.type} is not fetched: send it inline (base64)")
+        if self.media_type is None or self.data is None:
+            raise ValueError("a base64 image needs media_type and data")
+        return self
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: Ignored = None
+
+    def data_url(self) -> str:
+        return f"data:{self.source.media_type};base64,{self.source.data}"
+
+
 class RefusedBlock(_Strict):
-    type: Literal["image", "document", "search_result", "container_upload", "server_tool_use",
+    type: Literal["document", "search_result", "container_upload", "server_tool_use",
                   "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result"]
 
     @model_validator(mode="after")
     def _refuse(self) -> RefusedBlock:
-        raise ValueError(f"{self.type} blocks are not supported: localserve takes text, tool_use and "
+        raise ValueError(f"{self.type} blocks are not supported: localserve takes text, image, tool_use and "
                          "tool_result blocks")
 
 
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: Id
-    content: TextOr[Annotated[list[Annotated[TextBlock | RefusedBlock, Field(discriminator="type")]],
+    content: TextOr[Annotated[list[Annotated[TextBlock | ImageBlock | RefusedBlock, Field(discriminator="type")]],
                               Field(max_length=MAX_MESSAGES)]] | None = None
     is_error: bool = False  # the result's text says what went wrong; templates have no place for the flag
     cache_control: Ignored = None
 
+    @model_validator(mode="after")
+    def _text_only(self) -> ToolResultBlock:
+        if isinstance(self.content, list) and any(isinstance(block, ImageBlock) for block in self.content):
+            raise ValueError("image blocks in tool results are not supported: send the image in a user message")
+        return self
+
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else _joined(self.content or [])
+        return self.content if isinstance(self.content, str) else _joined(self.content or [])  # type: ignore[arg-type]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RefusedBlock,
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RefusedBlock,
                   Field(discriminator="type")]
 
 
@@ -123,8 +152,13 @@ class Message(_Strict):
                      **({"tool_calls": calls} if calls else {})}]
         results = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()}
                    for block in self.blocks(ToolResultBlock)]
-        if results and not self.blocks(TextBlock):
+        if results and not self.blocks(TextBlock) and not self.blocks(ImageBlock):
             return results
+        if self.blocks(ImageBlock):  # text and images in their order, as OpenAI's content parts
+            parts = [{"type": "text", "text": block.text} if isinstance(block, TextBlock)
+                     else {"type": "image_url", "image_url": {"url": block.data_url()}}
+                     for block in self.content if isinstance(block, (TextBlock, ImageBlock))]
+            return [*results, {"role": "user", "content": parts}]
         return [*results, {"role": "user", "content": self.text()}]
 
 

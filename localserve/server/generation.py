@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,6 +17,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.outputs import TokenLogprobs
 from ..engine.sampling_params import SamplingParams
 from ..text.tokenizer import Tokenizer
+from ..vision.image_input import ImageInput
 from .metrics import Metrics
 from .model_manager import LoadedModel
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -40,6 +41,7 @@ class Choice:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    images: Sequence[ImageInput] = ()  # laid out in prompt_ids already (vision/placement.py)
 
 
 def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int, seed_offset: int = 0,
@@ -89,10 +91,12 @@ def sampling_params(body: GenerationRequest, prompt_len: int, max_model_len: int
 
 
 def choices_for(body: GenerationRequest, prompts: list[list[int]], max_model_len: int,
-                defaults: Mapping[str, Any] | None = None, **extra: Any) -> list[Choice]:
-    """``body.n`` choices per prompt, numbered prompt-major as OpenAI does."""
+                defaults: Mapping[str, Any] | None = None, images: Sequence[ImageInput] = (),
+                **extra: Any) -> list[Choice]:
+    """``body.n`` choices per prompt, numbered prompt-major as OpenAI does; ``images``: those
+    the prompts lay out (a chat's one prompt)."""
     n = body.n
-    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, j, defaults, **extra))
+    return [Choice(p * n + j, p, ids, sampling_params(body, len(ids), max_model_len, j, defaults, **extra), images)
             for p, ids in enumerate(prompts) for j in range(n)]
 
 
@@ -101,7 +105,7 @@ async def start(model: LoadedModel, choices: list[Choice]) -> list[RequestStream
     streams: list[RequestStream] = []
     try:
         for choice in choices:
-            streams.append(await model.engine.add_request(choice.prompt_ids, choice.params))
+            streams.append(await model.engine.add_request(choice.prompt_ids, choice.params, images=choice.images))
     except BaseException:
         for stream in streams:
             stream.close()

@@ -10,6 +10,7 @@ or memory runs short, the least recently used idle model is unloaded first.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import math
@@ -27,6 +28,8 @@ from ..engine.stats import LoadProgress
 from ..errors import InsufficientMemoryError, LocalserveError
 from ..text.tokenizer import Tokenizer
 from ..registry.settings import ModelSettings
+from ..vision.config import read_image_config
+from ..vision.placement import ImagePlacement
 from .catalog import CatalogEntry, ModelCatalog
 from .config import DEFAULT_KEEP_ALIVE_S
 from .events import EventLog
@@ -154,6 +157,12 @@ class LoadedModel:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer_or_error().decode(ids)
+
+    @functools.cached_property
+    def images(self) -> ImagePlacement | None:
+        """Where images go in its prompts; None for a model that reads no images."""
+        image_config = read_image_config(self.engine.engine.checkpoint)
+        return ImagePlacement(image_config, self.tokenizer) if image_config else None
 
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:

@@ -88,10 +88,11 @@ def _think_fields(think: bool | str | None) -> dict[str, Any]:
 
 def _message(message: dict[str, Any]) -> dict[str, Any]:
     """An Ollama chat message as OpenAI's: arguments objects as they are (the templates
-    want objects), a tool result's ``tool_name`` as its ``name``; images refused."""
-    if message.get("images"):
-        raise LocalserveError("images are not supported: the models served here read text only")
+    want objects), a tool result's ``tool_name`` as its ``name``, its ``images`` kept (laid out
+    before its text)."""
     plain: dict[str, Any] = {"role": message.get("role"), "content": message.get("content") or ""}
+    if message.get("images"):
+        plain["images"] = message["images"]
     if message.get("tool_calls"):
         plain["tool_calls"] = [{"id": call.get("id") or f"call_{i}", "type": "function",
                                 "function": {"name": (call.get("function") or {}).get("name"),
@@ -235,7 +236,7 @@ async def chat(request: Request, body: ChatBody) -> Response:
     load = _LoadTimer()
     return await generate(request, openai_body, load.around(prompt.prompts),
                           lambda model, choices: _Shaper(body.model, prompt.reply_format, True, False, load),
-                          prompt.sampling, OLLAMA_EVENTS, DEFAULT_OPTIONS)
+                          prompt.sampling, OLLAMA_EVENTS, DEFAULT_OPTIONS, images=lambda: prompt.images)
 
 
 @router.post("/api/generate")
@@ -245,13 +246,13 @@ async def generate_text(request: Request, body: GenerateBody) -> Response:
     if body.template:
         raise LocalserveError("template is not supported: prompts are rendered with the model's own chat template "
                               "(or sent as they are with raw: true)")
-    if body.images:
-        raise LocalserveError("images are not supported: the models served here read text only")
+    if body.images and body.raw:
+        raise LocalserveError("images need the model's chat template to place them: send them with raw false")
     if not body.prompt:
         return await _load_or_unload(request, body.model, body.keep_alive, lambda name: {
             "model": name, "created_at": _now(), "response": "", "done": True})
     messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-        [{"role": "user", "content": body.prompt}]
+        [{"role": "user", "content": body.prompt, **({"images": body.images} if body.images else {})}]
     openai_body = _chat_request(body.model, messages, body)
     prompt = ChatPrompt(openai_body, state_of(request).config)
     plain = chat_reply.ReplyFormat()
@@ -260,6 +261,8 @@ async def generate_text(request: Request, body: GenerateBody) -> Response:
         # Raw, or a model without a chat template: the prompt as it is (Ollama's
         # "{{ .Prompt }}"); else rendered as one user turn, as Ollama renders it.
         if body.raw or not _templated(model):
+            if body.images:
+                raise LocalserveError(f"{model.name} has no chat template to place images in")
             ids = model.encode(body.prompt)
         else:
             ids = prompt.ids(model)
@@ -271,7 +274,7 @@ async def generate_text(request: Request, body: GenerateBody) -> Response:
 
     load = _LoadTimer()
     return await generate(request, openai_body, load.around(prompts), shaper, prompt.sampling, OLLAMA_EVENTS,
-                          DEFAULT_OPTIONS)
+                          DEFAULT_OPTIONS, images=lambda: prompt.images)
 
 
 @router.post("/api/embed")

@@ -63,6 +63,7 @@ class ModelFacts:
     template: str | None
     license: str | None
     pooling: str | None  # an embedding model's
+    vision: bool  # it reads images
 
 
 @lru_cache(maxsize=64)
@@ -83,7 +84,7 @@ def _facts(path: Path, version: str) -> ModelFacts:
         layers=int(info["layers"]), hidden_size=int(info["hidden_size"]), heads=int(info["heads"]),
         kv_heads=int(info["kv_heads"]), file_bytes=int(info["file_bytes"]),
         template=template.source if template is not None else None, license=info["license"],  # type: ignore[arg-type]
-        pooling=checkpoint.spec.pooling)
+        pooling=checkpoint.spec.pooling, vision=checkpoint.image_text)
 
 
 def _digest(entry: CatalogEntry) -> str:
@@ -116,6 +117,8 @@ def _capabilities(facts: ModelFacts) -> list[str]:
         found.append("tools")
     if facts.template and reasoning.thinks(facts.template):
         found.append("thinking")
+    if facts.vision:
+        found.append("vision")
     return found
 
 

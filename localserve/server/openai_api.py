@@ -14,7 +14,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from ..engine.async_engine import EngineDeadError, RequestStream
 from ..engine.outputs import RequestOutput
 from ..engine.outputs import TokenLogprobs
 from ..errors import LocalserveError
+from ..vision.image_input import ImageInput, check_image_count, image_from_base64
 from ..chat import reply as chat_reply
 from ..chat.messages import render_messages
 from ..chat.reply import ReplyFormat
@@ -115,9 +116,16 @@ class ChatPrompt:
         self.body, self.config = body, config
         self.reply_format = ReplyFormat()
         self.sampling: dict[str, Any] = {}  # filled in by ids()
+        self.images: list[ImageInput] = []  # the messages' images, in prompt order: filled in by ids()
 
     def ids(self, model: LoadedModel) -> list[int]:
         body = self.body
+        sources = [source for message in body.messages for source in message.image_sources()]
+        if sources:
+            if model.images is None:
+                raise LocalserveError(f"{model.name} does not read images (its checkpoint has no vision tower)")
+            check_image_count(len(sources))  # before any is decoded
+        self.images = [image_from_base64(source) for source in sources]
         text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                             body.tools, body.template_variables())
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
@@ -126,6 +134,9 @@ class ChatPrompt:
                                                     self.config.reasoning_parser)
         encode = functools.partial(model.encode, add_special_tokens=False)
         self.sampling.update(chat_reply.sampling_fields(self.reply_format, encode, body.max_reasoning_tokens))
+        if self.images:  # each marker the template wrote, laid out as the model's processor does
+            assert model.images is not None
+            text = model.images.expand_text(text, len(self.images))
         # The template writes BOS itself where the model wants it.
         return encode(text)
 
@@ -138,7 +149,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     prompt = ChatPrompt(body, state_of(request).config)
     return await generate(request, body, prompt.prompts,
                           lambda model, choices: _ChatShaper(model, body, choices, prompt.reply_format),
-                          prompt.sampling)
+                          prompt.sampling, images=lambda: prompt.images)
 
 
 class Shaper(Protocol):
@@ -185,11 +196,13 @@ async def generate(request: Request, body: ChatCompletionRequest | CompletionReq
                    prompts: Callable[[LoadedModel], list[list[int]]],
                    shaper: Callable[[LoadedModel, list[gen.Choice]], Shaper],
                    extra: dict[str, Any] | None = None, events: EventFormat = OPENAI_EVENTS,
-                   defaults: Mapping[str, Any] | None = None) -> Response:
+                   defaults: Mapping[str, Any] | None = None,
+                   images: Callable[[], Sequence[ImageInput]] = lambda: ()) -> Response:
     """Acquire the model, run every choice, answer as one body or a stream of events;
     the model is released when the response ends, however it ends. ``extra``: SamplingParams
     fields ``prompts`` works out as it renders (filled in by the time it returns);
-    ``defaults``: the API's own request-field defaults, under the model's."""
+    ``defaults``: the API's own request-field defaults, under the model's; ``images``: the
+    images the prompts lay out, once ``prompts`` has run."""
     keep_alive = parse_keep_alive(body.keep_alive)
     state = state_of(request)
     model = await acquire(request, body.model)
@@ -201,7 +214,7 @@ async def generate(request: Request, body: ChatCompletionRequest | CompletionReq
         # Rendering and tokenizing take time in proportion to the prompt: off the event loop.
         ids = await asyncio.to_thread(prompts, model)
         choices = gen.choices_for(body, ids, model.max_model_len, {**(defaults or {}), **model.settings.request_fields()},
-                                  **(extra or {}))
+                                  images(), **(extra or {}))
         streams = await gen.start(model, choices)
         progress = [gen.Progress(state.metrics, model.name) for _ in streams]
         shape = shaper(model, choices)

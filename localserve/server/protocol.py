@@ -194,9 +194,29 @@ class TextPart(_Strict):
     text: Text
 
 
+# An image inline: the body limit bounds it (max_body_size), the image's own limits its bytes.
+ImageData = Annotated[str, Field(max_length=1 << 30)]
+
+
+class ImageURL(_Strict):
+    url: ImageData  # a data: URL (image URLs are not fetched)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; each model sees images at its own size
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES)] | None = None
+    # Ollama's way (base64 images of a user message, laid out before its text); also
+    # taken here, as vLLM takes extra content kinds.
+    images: Annotated[list[ImageData], Field(max_length=MAX_MESSAGES)] | None = None
     name: Annotated[str, Field(max_length=512)] | None = None
     tool_calls: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     tool_call_id: Annotated[str, Field(max_length=512)] | None = None
@@ -205,16 +225,35 @@ class ChatMessage(_Strict):
     def _has_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
+        if self.role != "user" and self.image_sources():
+            raise ValueError(f"images belong in user messages, not in a {self.role} message")
         return self
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content
 
+    def image_sources(self) -> list[str]:
+        """Its images in the order they are laid out: ``images`` (base64) first, then the
+        content's image parts (data URLs)."""
+        parts = [part.image_url.url for part in self.content if isinstance(part, ImageURLPart)] \
+            if isinstance(self.content, list) else []
+        return [*(self.images or []), *parts]
+
     def plain(self) -> dict[str, Any]:
-        """The message as a dict, its content one string (or None), unset fields left out."""
-        return {**self.model_dump(exclude_none=True), "content": self.text()}
+        """The message as a dict, unset fields left out: its content one string (or None),
+        or with images, the parts chat templates take ({"type": "image"} where each goes)."""
+        plain = self.model_dump(exclude_none=True, exclude={"images"})
+        if not self.image_sources():
+            return {**plain, "content": self.text()}
+        parts: list[dict[str, Any]] = [{"type": "image"} for _ in self.images or []]
+        if isinstance(self.content, list):
+            parts += [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+                      for part in self.content]
+        elif self.content:
+            parts.append({"type": "text", "text": self.content})
+        return {**plain, "content": parts}
 
 
 class _FunctionName(_Strict):

@@ -166,7 +166,8 @@ async def _forward(sock: socket.socket, engine: Any, command: dict[str, Any],
     request_id = command["id"]
     try:
         stream = await engine.add_request(command["prompt"], wire.sampling_params_from_wire(command["params"]),
-                                          request_id, wire.pooling_from_wire(command["pooling"]))
+                                          request_id, wire.pooling_from_wire(command["pooling"]),
+                                          wire.images_from_wire(command.get("images") or []))
     except Exception as exc:  # noqa: BLE001  # every refusal goes back to the waiting request
         wire.send(sock, {"op": "rejected", "id": request_id, **wire.error_to_wire(exc)})
         forwards.pop(request_id, None)

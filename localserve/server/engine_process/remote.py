@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ...engine.outputs import RequestOutput
 from ...engine.sampling_params import PoolingParams, SamplingParams
 from ...engine.stats import EngineStats, LoadProgress
 from ...formats import open_checkpoint
+from ...vision.image_input import ImageInput
 from . import wire
 from .spawn import keep_as_spare, spawn, take_spare
 
@@ -110,7 +112,8 @@ class RemoteEngine:
         return self._dead is not None
 
     async def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None,
-                          request_id: str | None = None, pooling: PoolingParams | None = None) -> RequestStream:
+                          request_id: str | None = None, pooling: PoolingParams | None = None,
+                          images: Sequence[ImageInput] = ()) -> RequestStream:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self._loop = loop = asyncio.get_running_loop()
@@ -120,7 +123,7 @@ class RemoteEngine:
         self._streams[request_id] = (stream, list(prompt_token_ids), [None])
         try:
             self._send({"op": "add", "id": request_id, "prompt": prompt_token_ids,
-                        "pooling": wire.pooling_to_wire(pooling),
+                        "pooling": wire.pooling_to_wire(pooling), "images": wire.images_to_wire(images),
                         "params": wire.sampling_params_to_wire(params or SamplingParams())})
             await accepted
         except asyncio.CancelledError:

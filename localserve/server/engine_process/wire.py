@@ -4,10 +4,13 @@ nothing is ever unpickled). No torch here: the daemon's side imports this module
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
 import socket
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from ...engine.async_engine import EngineDeadError, QueueFullError
@@ -18,6 +21,7 @@ from ...engine.sampling_params import PoolingParams, SamplingParams
 from ...engine.speculative.config import SpeculativeConfig
 from ...engine.stats import EngineStats
 from ...errors import InsufficientMemoryError, LocalserveError
+from ...vision.image_input import ImageInput
 
 _HEADER = struct.Struct("<I")
 # The largest frame either side accepts: a step's outputs for every running request, or a
@@ -91,6 +95,22 @@ def pooling_to_wire(pooling: PoolingParams | None) -> dict[str, Any] | None:
 
 def pooling_from_wire(data: dict[str, Any] | None) -> PoolingParams | None:
     return None if data is None else PoolingParams(**data)
+
+
+def images_to_wire(images: Sequence[ImageInput]) -> list[dict[str, Any]]:
+    return [{"data": base64.b64encode(image.data).decode(), "width": image.width, "height": image.height,
+             "format": image.format} for image in images]
+
+
+def images_from_wire(data: list[dict[str, Any]]) -> list[ImageInput]:
+    """The images the daemon checked (vision/image_input.py), not decoded again here: their
+    decode checks the header against the size the daemon read, so the checks still hold."""
+    images = []
+    for entry in data:
+        raw = base64.b64decode(entry["data"], validate=True)
+        images.append(ImageInput(raw, hashlib.sha256(raw).digest(), int(entry["width"]), int(entry["height"]),
+                                 str(entry["format"])))
+    return images
 
 
 def _logprobs_to_wire(entries: list[TokenLogprobs]) -> list[list[Any]]:

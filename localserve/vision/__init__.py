@@ -1,0 +1,51 @@
+"""Images in: decoding what clients send (image_input.py), each family's processor and
+encoder (gemma3.py on siglip.py), and the engine's one way in (encoder.py).
+
+``load_image_encoder`` gives the engine a model's ImageEncoder, or None for a model that
+reads no images."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..formats import Checkpoint
+    from ..text.tokenizer import Tokenizer
+    from .encoder import ImageEncoder
+
+
+def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, device: torch.device,
+                       dtype: torch.dtype) -> ImageEncoder | None:
+    """The image encoder of an image-text checkpoint (Gemma 3's vision tower and projector,
+    read from its shards), on ``device`` in ``dtype``; None for a text-only one."""
+    if not checkpoint.image_text:
+        return None
+    from ..formats.weights import iter_vision_weights
+    from .config import read_image_config
+    from .encoder import ImageEncoder
+    from .gemma3 import Gemma3Vision
+
+    config = read_image_config(checkpoint)
+    assert config is not None  # an image-text checkpoint
+    model = Gemma3Vision(config, checkpoint.spec.hidden_size)
+    _load(model, iter_vision_weights(checkpoint), str(checkpoint.path))
+    return ImageEncoder(model.to(device=device, dtype=dtype).eval(), tokenizer, checkpoint.spec.vocab_size, device)
+
+
+def _load(model: torch.nn.Module, weights: object, where: str) -> None:
+    from ..errors import LocalserveError
+
+    state = dict(weights)  # type: ignore[call-overload]
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise LocalserveError(f"{where}: the vision tensors do not match the config "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise LocalserveError(f"{where}: vision tensor {name} is {list(tensor.shape)}, the config says "
+                                  f"{list(expected[name].shape)}")
+    model.load_state_dict({name: tensor.float() for name, tensor in state.items()})

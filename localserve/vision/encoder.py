@@ -1,0 +1,125 @@
+"""The engine's one way into images: where a request's images sit in its prompt, their
+encoding (batched, once per image: an LRU cache keyed by the image's hash) before the
+step whose prefill chunk reaches them, and the rule that keeps a bidirectional image
+whole within one chunk.
+
+The engine calls ``place`` when a request arrives, ``fit_chunk`` when the scheduler cuts a
+prefill chunk and ``encode_step`` before a step runs; the runner reads the spans'
+embeddings into the model's input rows (``image_rows``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..text.tokenizer import Tokenizer
+from .gemma3 import Gemma3Vision
+from .image_input import ImageInput, ImageLimits, check_image_count
+from .placement import ImagePlacement
+
+# Encoded images kept for reuse (a chat resends its images every turn): their bytes at most.
+DEFAULT_CACHE_BYTES = 256 << 20
+
+
+@dataclass(slots=True, eq=False)
+class ImageSpan:
+    """One image in a prompt: its tokens are positions ``start`` to ``start + length``."""
+
+    start: int
+    length: int
+    image: ImageInput
+    bidirectional: bool  # its tokens see each other (Gemma 3): one prefill chunk must hold them all
+    embeds: torch.Tensor | None = None  # [length, text hidden] while the prefill needs them
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class ImageEncoder:
+    def __init__(self, model: Gemma3Vision, tokenizer: Tokenizer | None, vocab_size: int, device: torch.device,
+                 limits: ImageLimits = ImageLimits(), cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.model = model
+        self.placement = ImagePlacement(model.config, tokenizer)
+        self.vocab_size = vocab_size
+        self.device = device
+        self.limits = limits
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._cached_bytes = 0
+        self.num_encoded = 0  # images run through the encoder (not served from the cache)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.model.config.tokens_per_image
+
+    # -- a request arrives -------------------------------------------------------------
+
+    def place(self, prompt: str | list[int], images: Sequence[ImageInput]) -> tuple[list[int], list[ImageSpan]]:
+        """The prompt's token ids with each image's tokens in place (placement.py), and
+        where each image's tokens are."""
+        check_image_count(len(images), self.limits)
+        ids, starts = self.placement.place(prompt, len(images))
+        if self.placement.config.image_token_id >= self.vocab_size:  # a placeholder past the table (some configs)
+            for start in starts:  # looks up token 0, as transformers does; its embeddings replace it anyway
+                ids[start:start + self.tokens_per_image] = [0] * self.tokens_per_image
+        return ids, [ImageSpan(start, self.tokens_per_image, image, self.model.bidirectional)
+                     for start, image in zip(starts, images)]
+
+    # -- scheduling --------------------------------------------------------------------
+
+    @staticmethod
+    def fit_chunk(spans: Sequence[ImageSpan], start: int, num_new: int) -> int:
+        """``num_new`` tokens from ``start``, cut back to before an image whose tokens must
+        see each other and would be split; an image that starts the chunk is taken whole
+        (over the step's budget, when the budget is smaller than an image)."""
+        end = start + num_new
+        for span in spans:
+            if span.bidirectional and span.start < end < span.end:
+                return span.start - start if span.start > start else span.end - start
+        return num_new
+
+    # -- a step ------------------------------------------------------------------------
+
+    def encode_step(self, chunks: Sequence[tuple[Sequence[ImageSpan], int, int]]) -> None:
+        """Embeddings for every image a step's prefill chunks (spans, start, end) reach,
+        one encoder batch for those not cached; the embeddings of images a chunk has
+        passed are dropped (the cache keeps its copy)."""
+        wanted: dict[bytes, list[ImageSpan]] = {}
+        for spans, start, end in chunks:
+            for span in spans:
+                if span.end <= start:
+                    span.embeds = None
+                elif span.start < end and span.embeds is None:
+                    cached = self._cache.get(span.image.digest)
+                    if cached is not None:
+                        self._cache.move_to_end(span.image.digest)
+                        span.embeds = cached
+                    else:
+                        wanted.setdefault(span.image.digest, []).append(span)
+        if not wanted:
+            return
+        images = [spans[0].image for spans in wanted.values()]
+        pixels = torch.stack([self.model.pixels(image) for image in images]).to(self.device)
+        with torch.inference_mode():
+            encoded = self.model(pixels)
+        self.num_encoded += len(images)
+        for digest, rows in zip(wanted, encoded):
+            for span in wanted[digest]:
+                span.embeds = rows
+            self._remember(digest, rows)
+
+    def _remember(self, digest: bytes, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.cache_bytes:
+            return
+        self._cache[digest] = rows
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_bytes -= dropped.numel() * dropped.element_size()
+
