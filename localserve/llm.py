@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from .chat import reply as chat_reply
-from .chat.messages import render_messages
+from .chat.messages import image_sources, render_messages
+from .vision.placement import images_for
 from .chat.reply import AssistantMessage
 from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
@@ -111,8 +112,10 @@ class LLM:
         conversations = list(conversations)  # type: ignore[arg-type]
         params = self._params_for(params, len(conversations))
         encode = functools.partial(self.engine.tokenizer.encode, add_special_tokens=False)
-        prompts, formats, chat_params = [], [], []
+        placement = self.engine.image_placement
+        prompts, formats, chat_params, images = [], [], [], []
         for messages, sampling in zip(conversations, params):
+            images.append(images_for(placement, image_sources(list(messages)), "this model"))
             text = render_messages(list(messages), lambda plain, **how: template.render(
                 plain, add_generation_prompt=True, tools=tools, **(chat_template_kwargs or {}), **how))
             reply = chat_reply.reply_format(template, text, tools, tool_choice, parallel_tool_calls)
@@ -121,13 +124,17 @@ class LLM:
                 if sampling.output_format is not None:
                     raise LocalserveError("give an output_format or a required or named tool_choice, not both")
                 fields["output_format"] = reply.forced_tools
+            if placement is not None and images[-1]:  # each image's marker laid out as the processor does
+                text = placement.expand_text(text, len(images[-1]))
             # The template writes BOS itself where the model wants it.
             prompts.append(encode(text))
             formats.append(reply)
             chat_params.append(dataclasses.replace(sampling, **fields))
+        ids = [self.engine.add_request(prompt, sampling, images=pictures)
+               for prompt, sampling, pictures in zip(prompts, chat_params, images)]
         return [ChatOutput(**{f.name: getattr(output, f.name) for f in dataclasses.fields(output)},
                            message=chat_reply.whole(reply, output.text))
-                for output, reply in zip(self.generate(prompts, chat_params), formats)]
+                for output, reply in zip(self._run(ids), formats)]
 
     @staticmethod
     def _params_for(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

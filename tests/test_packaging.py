@@ -121,6 +121,17 @@ def test_maintainer_scripts_are_posix_sh() -> None:
 
 
 @pytest.mark.slow
+def test_every_package_of_the_source_tree_is_packaged() -> None:
+    """pyproject's explicit package list names every folder with an __init__.py (a missing
+    one is left out of the wheel: its imports then fail only where it is installed)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"localserve": ROOT / "localserve", "localserve.kernels": ROOT / "kernels",
+               "localserve.models": ROOT / "models"}
+    found = {".".join([root, *init.parent.relative_to(folder).parts])
+             for root, folder in folders.items() for init in folder.rglob("__init__.py")}
+    assert listed == found
+
+
 def test_wheel_runs_in_a_fresh_venv(dists: tuple[Path, Path], hf_continuation: str, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", str(venv)])

@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from localserve import Engine, EngineConfig, SamplingParams
+from localserve.errors import LocalserveError
 from localserve.server.config import ServerConfig
 from localserve.text.chat_template import ChatTemplate
 from localserve.vision.image_input import image_from_bytes
@@ -326,3 +327,18 @@ def test_localserve_run_refuses_images_a_model_cannot_take(tmp_path: Path) -> No
     (tmp_path / "broken.png").write_bytes(png(0)[:100])  # the header whole, the pixels cut
     result = CliRunner().invoke(main, ["run", str(STORIES_HF), "hi", "--image", str(tmp_path / "broken.png")])
     assert result.exit_code != 0 and "truncated or corrupt" in result.output and "Traceback" not in result.output
+
+
+def test_the_python_api_chats_with_images(folder: Path, engine: Engine) -> None:
+    """LLM.chat takes OpenAI's image_url parts and Ollama's images as the HTTP API does."""
+    from localserve import LLM
+
+    llm = LLM(folder, device="cpu", max_num_seqs=4, max_model_len=256, num_kv_blocks=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    parts = [{"role": "user", "content": [text_part(QUESTION), {"type": "image_url", "image_url": {"url": data_url(png(2))}}]}]
+    ollama_style = [{"role": "user", "content": QUESTION, "images": [base64.b64encode(png(0)).decode()]}]
+    first, second = llm.chat([parts, ollama_style], greedy)
+    assert first.text == expected(engine, [text_part(QUESTION), IMAGE], [png(2)])
+    assert second.text == expected(engine, [IMAGE, text_part(QUESTION)], [png(0)])
+    with pytest.raises(LocalserveError, match="over the limit of 16 images"):
+        llm.chat([{"role": "user", "content": QUESTION, "images": [base64.b64encode(png(0)).decode()] * 17}], greedy)

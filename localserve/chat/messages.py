@@ -23,14 +23,41 @@ from typing import Any
 
 from ..errors import LocalserveError
 
-Message = dict[str, Any]  # an OpenAI chat message; its content a string or None
+Message = dict[str, Any]  # an OpenAI chat message; its content a string, parts (with images) or None
+
+
+def image_sources(messages: list[Message]) -> list[str]:
+    """The messages' images in the order their prompt lays them out: each message's
+    ``images`` (Ollama's: base64, before its text), then its ``image_url`` parts' URLs."""
+    sources: list[str] = []
+    for message in messages:
+        sources.extend(message.get("images") or [])
+        content = message.get("content")
+        if isinstance(content, list):
+            sources.extend(part["image_url"]["url"] for part in content if part.get("type") == "image_url")
+    return sources
+
+
+def _template_content(message: Message) -> Any:
+    """The content as templates take it: with images, a list of text parts and
+    ``{"type": "image"}`` where each image goes (the template writes the model's marker)."""
+    content = message.get("content")
+    if not message.get("images") and not isinstance(content, list):
+        return content
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in message.get("images") or []]
+    if isinstance(content, list):
+        parts += [{"type": "image"} if part.get("type") == "image_url" else part for part in content]
+    elif content:
+        parts.append({"type": "text", "text": content})
+    return parts
 
 
 def template_messages(messages: list[Message], empty_content: bool = False) -> list[Message]:
     """The messages as templates take them; ``empty_content``: ``""`` for null content."""
     plain = []
     for message in messages:
-        entry = {**message, "content": message.get("content")}
+        entry = {key: value for key, value in message.items() if key != "images"}
+        entry["content"] = _template_content(message)
         if empty_content and entry["content"] is None:
             entry["content"] = ""
         if message.get("tool_calls"):

@@ -86,21 +86,18 @@ class LocalBackend:
 
     def chat(self, messages: list[dict[str, Any]], settings: ChatSettings) -> Iterator[str]:
         from ..chat import reasoning
-        from ..server.protocol import ChatMessage
-        from ..vision.image_input import image_from_base64
+        from ..chat.messages import image_sources, render_messages
+        from ..vision.placement import images_for
 
-        assert self.template is not None
-        # Read as the daemon reads them: images as the template's parts, laid out after rendering.
-        parsed = [ChatMessage.model_validate(message) for message in messages]
-        images = [image_from_base64(source) for message in parsed for source in message.image_sources()]
-        if images and self.engine.images is None:
-            raise LocalserveError("this model does not read images (its checkpoint has no vision tower)")
+        template = self.template
+        assert template is not None
+        placement = self.engine.image_placement
+        images = images_for(placement, image_sources(messages), "this model")
         # The model's own system prompt and opening turns, as the daemon puts them.
-        text = self.template.render(self.settings.conversation([m.plain() for m in parsed]),
-                                    add_generation_prompt=True)
-        if images:
-            assert self.engine.images is not None
-            text = self.engine.images.placement.expand_text(text, len(images))
+        text = render_messages(self.settings.conversation(messages),
+                               lambda plain, **how: template.render(plain, add_generation_prompt=True, **how))
+        if placement is not None and images:  # each image's marker laid out as the model's processor does
+            text = placement.expand_text(text, len(images))
         # The template writes BOS itself where the model wants it.
         stream = self._stream(self._encode(text, add_special_tokens=False), settings, images)
         if not reasoning.thinks(self.template.source):

@@ -36,6 +36,7 @@ from .structured_output import StructuredOutputs
 from ..vision import load_image_encoder
 from ..vision.encoder import ImageSpan
 from ..vision.image_input import ImageInput
+from ..vision.placement import ImagePlacement
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,11 @@ class Engine:
         self.outputs.add(request)
         self.scheduler.add(request)
         return request_id
+
+    @property
+    def image_placement(self) -> ImagePlacement | None:
+        """Where images go in this model's prompts; None when it reads none."""
+        return self.images.placement if self.images is not None else None
 
     def _check_kind(self, pooling: PoolingParams | None) -> None:
         if pooling is None and self.spec.pooling is not None:

@@ -25,9 +25,10 @@ from ..engine.async_engine import EngineDeadError, RequestStream
 from ..engine.outputs import RequestOutput
 from ..engine.outputs import TokenLogprobs
 from ..errors import LocalserveError
-from ..vision.image_input import ImageInput, check_image_count, image_from_base64
+from ..vision.image_input import ImageInput
+from ..vision.placement import images_for
 from ..chat import reply as chat_reply
-from ..chat.messages import render_messages
+from ..chat.messages import image_sources, render_messages
 from ..chat.reply import ReplyFormat
 from . import generation as gen
 from .config import ServerConfig
@@ -120,12 +121,8 @@ class ChatPrompt:
 
     def ids(self, model: LoadedModel) -> list[int]:
         body = self.body
-        sources = [source for message in body.messages for source in message.image_sources()]
-        if sources:
-            if model.images is None:
-                raise LocalserveError(f"{model.name} does not read images (its checkpoint has no vision tower)")
-            check_image_count(len(sources))  # before any is decoded
-        self.images = [image_from_base64(source) for source in sources]
+        self.images = images_for(model.images, image_sources([message.plain() for message in body.messages]),
+                                 model.name)
         text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
                             body.tools, body.template_variables())
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice

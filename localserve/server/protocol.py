@@ -225,7 +225,7 @@ class ChatMessage(_Strict):
     def _has_content(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
-        if self.role != "user" and self.image_sources():
+        if self.role != "user" and self.has_images():
             raise ValueError(f"images belong in user messages, not in a {self.role} message")
         return self
 
@@ -234,26 +234,15 @@ class ChatMessage(_Strict):
             return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content
 
-    def image_sources(self) -> list[str]:
-        """Its images in the order they are laid out: ``images`` (base64) first, then the
-        content's image parts (data URLs)."""
-        parts = [part.image_url.url for part in self.content if isinstance(part, ImageURLPart)] \
-            if isinstance(self.content, list) else []
-        return [*(self.images or []), *parts]
+    def has_images(self) -> bool:
+        return bool(self.images) or (isinstance(self.content, list)
+                                     and any(isinstance(part, ImageURLPart) for part in self.content))
 
     def plain(self) -> dict[str, Any]:
-        """The message as a dict, unset fields left out: its content one string (or None),
-        or with images, the parts chat templates take ({"type": "image"} where each goes)."""
-        plain = self.model_dump(exclude_none=True, exclude={"images"})
-        if not self.image_sources():
-            return {**plain, "content": self.text()}
-        parts: list[dict[str, Any]] = [{"type": "image"} for _ in self.images or []]
-        if isinstance(self.content, list):
-            parts += [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
-                      for part in self.content]
-        elif self.content:
-            parts.append({"type": "text", "text": self.content})
-        return {**plain, "content": parts}
+        """The message as a dict, unset fields left out: its content one string (or None);
+        with images, its parts and ``images`` as sent (chat/messages.py lays them out)."""
+        plain = self.model_dump(exclude_none=True)
+        return plain if self.has_images() else {**plain, "content": self.text()}
 
 
 class _FunctionName(_Strict):

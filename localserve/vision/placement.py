@@ -10,9 +10,24 @@ sends them) or a marker id per image, followed here by the image tokens and the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..errors import LocalserveError
 from ..text.tokenizer import Tokenizer
 from .config import Gemma3ImageConfig
+from .image_input import ImageInput, check_image_count, image_from_base64
+
+
+def images_for(placement: ImagePlacement | None, sources: Sequence[str], model: str) -> list[ImageInput]:
+    """A chat's images (data URLs or base64, chat/messages.image_sources) decoded for a
+    model that reads images (``placement``); refused, before any is decoded, for one that
+    does not or when there are too many."""
+    if not sources:
+        return []
+    if placement is None:
+        raise LocalserveError(f"{model} does not read images (its checkpoint has no vision tower)")
+    check_image_count(len(sources))
+    return [image_from_base64(source) for source in sources]
 
 
 class ImagePlacement:
