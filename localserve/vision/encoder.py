@@ -109,6 +109,7 @@ class ImageEncoder:
             encoded = self.model(pixels)
         self.num_encoded += len(images)
         for digest, rows in zip(wanted, encoded):
+            rows = rows.clone()  # its own storage: the cache may keep it while it drops the batch's others
             for span in wanted[digest]:
                 span.embeds = rows
             self._remember(digest, rows)
