@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from localserve.chat.messages import render_messages, template_messages
+from localserve.errors import LocalserveError
 from localserve.server.protocol import ChatMessage
 from localserve.text.chat_template import ChatTemplate
 
@@ -70,3 +71,21 @@ def test_null_content_where_the_template_concatenates_it() -> None:
         template.render(template_messages(messages))  # as sent, Phi-3.5 cannot add null to a string
     assert render_messages(messages, template.render) == \
         "<|user|>\nHi<|end|>\n<|assistant|>\n<|end|>\n<|user|>\n?<|end|>\n<|assistant|>\n"
+
+
+def test_images_are_laid_out_as_template_parts_in_order() -> None:
+    from localserve.chat.messages import image_sources
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Two?", "images": ["AAAA", "BBBB"]},
+                {"role": "user", "content": [{"type": "text", "text": "Then "},
+                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,CCCC"}},
+                                             {"type": "text", "text": " this."}]}]
+    assert image_sources(messages) == ["AAAA", "BBBB", "data:image/png;base64,CCCC"]
+    assert [m["content"] for m in template_messages(messages)] == [
+        "Be brief.",
+        [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Two?"}],
+        [{"type": "text", "text": "Then "}, {"type": "image"}, {"type": "text", "text": " this."}]]
+    assert all("images" not in m for m in template_messages(messages))
+    with pytest.raises(LocalserveError, match="image_url part needs"):
+        image_sources([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])

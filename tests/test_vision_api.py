@@ -342,3 +342,18 @@ def test_the_python_api_chats_with_images(folder: Path, engine: Engine) -> None:
     assert second.text == expected(engine, [IMAGE, text_part(QUESTION)], [png(0)])
     with pytest.raises(LocalserveError, match="over the limit of 16 images"):
         llm.chat([{"role": "user", "content": QUESTION, "images": [base64.b64encode(png(0)).decode()] * 17}], greedy)
+
+
+def test_tokenize_counts_an_images_tokens(server: RunningServer, engine: Engine) -> None:
+    """vLLM's /tokenize of a chat with an image: the ids the chat request runs on, the
+    image's tokens among them (the engine's layout of the template's rendering)."""
+    content = [text_part(QUESTION), IMAGE]
+    messages = [{"role": "user", "content": _openai_parts(content, [png(1)])}]
+    answer = httpx.post(f"{server.url}/tokenize", json={"model": "g3", "messages": messages}, timeout=TIMEOUT)
+    assert answer.status_code == 200, answer.text
+    template = ChatTemplate(GEMMA3_TEMPLATE.read_text(encoding="utf-8"), bos_token="<bos>", eos_token="<eos>")
+    text = template.render([{"role": "user", "content": content}], add_generation_prompt=True)
+    request_id = engine.add_request(text, SamplingParams(max_tokens=1), images=[image_from_bytes(png(1))])
+    expected_ids = engine.requests[request_id].prompt_token_ids
+    engine.abort(request_id)
+    assert answer.json()["tokens"] == expected_ids and expected_ids.count(IMAGE_TOKEN) == TOKENS_PER_IMAGE

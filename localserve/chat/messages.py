@@ -34,7 +34,12 @@ def image_sources(messages: list[Message]) -> list[str]:
         sources.extend(message.get("images") or [])
         content = message.get("content")
         if isinstance(content, list):
-            sources.extend(part["image_url"]["url"] for part in content if part.get("type") == "image_url")
+            for part in content:
+                if part.get("type") == "image_url":
+                    url = (part.get("image_url") or {}).get("url")
+                    if not isinstance(url, str):
+                        raise LocalserveError('an image_url part needs {"image_url": {"url": "data:..."}}')
+                    sources.append(url)
     return sources
 
 

@@ -89,10 +89,12 @@ async def get_model(request: Request, model_id: str) -> dict[str, Any]:
 
 def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation_prompt: bool,
                  continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                 variables: dict[str, Any] | None = None) -> str:
+                 variables: dict[str, Any] | None = None) -> tuple[str, list[ImageInput]]:
     """The prompt text, the model's own system prompt and opening turns before the
-    messages; ``variables``: further template variables (``enable_thinking``, ...)."""
+    messages, each image laid out where the template put its marker; and the messages'
+    images. ``variables``: further template variables (``enable_thinking``, ...)."""
     model.check_prompt_chars(sum(len(m.text() or "") for m in messages))
+    images = images_for(model.images, image_sources([m.plain() for m in messages]), model.name)
     template = model.chat_template()
     conversation = model.settings.conversation([m.plain() for m in messages])
     text = render_messages(conversation, lambda plain, **how: template.render(
@@ -104,7 +106,9 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
         end = text.rfind(final)
         if end >= 0:
             text = text[: end + len(final)]
-    return text
+    if model.images is not None and images:  # as the model's processor lays them out
+        text = model.images.expand_text(text, len(images))
+    return text, images
 
 
 class ChatPrompt:
@@ -121,19 +125,14 @@ class ChatPrompt:
 
     def ids(self, model: LoadedModel) -> list[int]:
         body = self.body
-        self.images = images_for(model.images, image_sources([message.plain() for message in body.messages]),
-                                 model.name)
-        text = _render_chat(model, body.messages, body.add_generation_prompt, body.continue_final_message,
-                            body.tools, body.template_variables())
+        text, self.images = _render_chat(model, body.messages, body.add_generation_prompt,
+                                         body.continue_final_message, body.tools, body.template_variables())
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
         self.reply_format = chat_reply.reply_format(model.chat_template(), text, body.tools, choice,
                                                     body.parallel_tool_calls, self.config.tool_parser,
                                                     self.config.reasoning_parser)
         encode = functools.partial(model.encode, add_special_tokens=False)
         self.sampling.update(chat_reply.sampling_fields(self.reply_format, encode, body.max_reasoning_tokens))
-        if self.images:  # each marker the template wrote, laid out as the model's processor does
-            assert model.images is not None
-            text = model.images.expand_text(text, len(self.images))
         # The template writes BOS itself where the model wants it.
         return encode(text)
 
@@ -490,8 +489,8 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     model = await acquire(request, body.model)
     try:
         if body.messages is not None:
-            text = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
-            tokens = model.encode(text, add_special_tokens=False)
+            text, _ = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
+            tokens = model.encode(text, add_special_tokens=False)  # an image's tokens counted as the model reads them
         else:
             tokens = await asyncio.to_thread(model.encode, body.prompt or "", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": model.max_model_len, "tokens": tokens}
