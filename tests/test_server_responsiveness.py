@@ -43,10 +43,12 @@ def _health_while(url: str, send: callable) -> tuple[httpx.Response, list[float]
     worker.start()
     latencies = []
     with httpx.Client(timeout=30) as client:
-        while worker.is_alive():
+        while True:  # one poll at least: a quick refusal may end the worker before the first
             start = time.monotonic()
             assert client.get(f"{url}/health").status_code == 200
             latencies.append(time.monotonic() - start)
+            if not worker.is_alive():
+                break
             time.sleep(0.005)
     worker.join()
     return result["response"], latencies
