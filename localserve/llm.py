@@ -13,7 +13,7 @@ import torch
 
 from .chat import reply as chat_reply
 from .chat.messages import image_sources, render_messages
-from .vision.placement import images_for
+from .vision.placement import images_for, lay_out
 from .chat.reply import AssistantMessage
 from .text.chat_template import ChatTemplate
 from .engine.config import EngineConfig
@@ -124,8 +124,7 @@ class LLM:
                 if sampling.output_format is not None:
                     raise LocalserveError("give an output_format or a required or named tool_choice, not both")
                 fields["output_format"] = reply.forced_tools
-            if placement is not None and images[-1]:  # each image's marker laid out as the processor does
-                text = placement.expand_text(text, len(images[-1]))
+            text = lay_out(placement, text, images[-1])
             # The template writes BOS itself where the model wants it.
             prompts.append(encode(text))
             formats.append(reply)

@@ -87,7 +87,7 @@ class LocalBackend:
     def chat(self, messages: list[dict[str, Any]], settings: ChatSettings) -> Iterator[str]:
         from ..chat import reasoning
         from ..chat.messages import image_sources, render_messages
-        from ..vision.placement import images_for
+        from ..vision.placement import images_for, lay_out
 
         template = self.template
         assert template is not None
@@ -96,8 +96,7 @@ class LocalBackend:
         # The model's own system prompt and opening turns, as the daemon puts them.
         text = render_messages(self.settings.conversation(messages),
                                lambda plain, **how: template.render(plain, add_generation_prompt=True, **how))
-        if placement is not None and images:  # each image's marker laid out as the model's processor does
-            text = placement.expand_text(text, len(images))
+        text = lay_out(placement, text, images)
         # The template writes BOS itself where the model wants it.
         stream = self._stream(self._encode(text, add_special_tokens=False), settings, images)
         if not reasoning.thinks(self.template.source):

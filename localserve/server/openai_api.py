@@ -26,7 +26,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.outputs import TokenLogprobs
 from ..errors import LocalserveError
 from ..vision.image_input import ImageInput
-from ..vision.placement import images_for
+from ..vision.placement import images_for, lay_out
 from ..chat import reply as chat_reply
 from ..chat.messages import image_sources, render_messages
 from ..chat.reply import ReplyFormat
@@ -106,9 +106,7 @@ def _render_chat(model: LoadedModel, messages: list[ChatMessage], add_generation
         end = text.rfind(final)
         if end >= 0:
             text = text[: end + len(final)]
-    if model.images is not None and images:  # as the model's processor lays them out
-        text = model.images.expand_text(text, len(images))
-    return text, images
+    return lay_out(model.images, text, images), images
 
 
 class ChatPrompt:

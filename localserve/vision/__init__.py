@@ -48,4 +48,4 @@ def _load(model: torch.nn.Module, weights: object, where: str) -> None:
         if tensor.shape != expected[name].shape:
             raise LocalserveError(f"{where}: vision tensor {name} is {list(tensor.shape)}, the config says "
                                   f"{list(expected[name].shape)}")
-    model.load_state_dict({name: tensor.float() for name, tensor in state.items()})
+    model.load_state_dict(state)  # copied into the float32 parameters as it goes

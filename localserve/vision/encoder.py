@@ -53,10 +53,6 @@ class ImageEncoder:
         self._cached_bytes = 0
         self.num_encoded = 0  # images run through the encoder (not served from the cache)
 
-    @property
-    def tokens_per_image(self) -> int:
-        return self.model.config.tokens_per_image
-
     # -- a request arrives -------------------------------------------------------------
 
     def place(self, prompt: str | list[int], images: Sequence[ImageInput]) -> tuple[list[int], list[ImageSpan]]:
@@ -64,10 +60,11 @@ class ImageEncoder:
         where each image's tokens are."""
         check_image_count(len(images), self.limits)
         ids, starts = self.placement.place(prompt, len(images))
+        length = self.placement.tokens_per_image
         if self.placement.config.image_token_id >= self.vocab_size:  # a placeholder past the table (some configs)
             for start in starts:  # looks up token 0, as transformers does; its embeddings replace it anyway
-                ids[start:start + self.tokens_per_image] = [0] * self.tokens_per_image
-        return ids, [ImageSpan(start, self.tokens_per_image, image, self.model.bidirectional)
+                ids[start:start + length] = [0] * length
+        return ids, [ImageSpan(start, length, image, self.model.bidirectional)
                      for start, image in zip(starts, images)]
 
     # -- scheduling --------------------------------------------------------------------

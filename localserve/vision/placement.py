@@ -30,6 +30,12 @@ def images_for(placement: ImagePlacement | None, sources: Sequence[str], model: 
     return [image_from_base64(source) for source in sources]
 
 
+def lay_out(placement: ImagePlacement | None, text: str, images: Sequence[ImageInput]) -> str:
+    """A rendered chat prompt with its images' markers laid out as the model's processor
+    does (``images`` came from ``images_for``, so a placement exists when there are any)."""
+    return placement.expand_text(text, len(images)) if placement is not None and images else text
+
+
 class ImagePlacement:
     def __init__(self, config: Gemma3ImageConfig, tokenizer: Tokenizer | None) -> None:
         self.config = config
