@@ -55,7 +55,7 @@ class Attention(nn.Module):
         self.softcap = spec.attention_softcap
         self.window = spec.window_of(index)
         # Sliding layers with rotary settings of their own (Gemma 3) take the second table.
-        self.rope_index = 1 if self.window is not None and spec.local_rope is not None else 0
+        self.rope_index = 1 if spec.is_local_layer(index) and spec.local_rope is not None else 0
 
     def forward(
         self,

@@ -80,6 +80,14 @@ def _configs() -> dict[str, Callable[[], object]]:
             **{**_BASE, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=24, sliding_window=12,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
+        # Gemma 3 with a window as long as the context (a window that limits nothing, as when
+        # a Gemma 3 is served with a context shorter than its 1024-token window): its local
+        # layers keep their own rotary base all the same.
+        "gemma3-long-window": lambda: Gemma3TextConfig(
+            **{**_BASE, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=32,
+            sliding_window=_BASE["max_position_embeddings"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
         "mistral": lambda: MistralConfig(**_BASE, sliding_window=None),
         # Sliding windows much shorter than the prompts: every layer (Mistral-7B-v0.1), and
         # Qwen2's use_sliding_window, where the first max_window_layers attend fully.

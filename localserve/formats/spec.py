@@ -121,6 +121,11 @@ class ModelSpec:
             return None
         return None if layer in self.full_attention_layers else self.sliding_window
 
+    def is_local_layer(self, layer: int) -> bool:
+        """A sliding-window layer by its kind, whether or not its window limits anything:
+        Gemma 3 gives these layers their own rotary base (``local_rope``) either way."""
+        return self.sliding_window is not None and layer not in self.full_attention_layers
+
     def check(self, names: Mapping[str, str]) -> str | None:
         """What is wrong with the declared sizes, or None; ``names`` says what the file
         calls each field, for the message."""
