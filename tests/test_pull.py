@@ -56,7 +56,6 @@ def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
         "stories-260K-Q8_0.gguf": (folder / "q8.gguf").read_bytes(),
         "stories-260K-IQ4_NL.gguf": (folder / "iq4_nl.gguf").read_bytes(),
         **{f"Q4_K_M/{part.name}": part.read_bytes() for part in parts},
-        "mmproj-stories-260K-F16.gguf": b"GGUF not a model",
         "README.md": b"---\nlicense: mit\n---\n# Stories\n",
     }
 

@@ -36,10 +36,10 @@ WORDS = ("the", "image", "picture", "what", "is", "this", "in", "describe", "use
 PRE_TOKENIZER = r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\n+|[^\S\n]+"
 
 
-def gemma3_config(image_token: int = IMAGE_TOKEN) -> dict:
+def gemma3_config(image_token: int = IMAGE_TOKEN, **text: object) -> dict:
     """The tiny model's config; released Gemma 3 has its image token inside the vocabulary
-    (the default), some configs past it."""
-    return {
+    (the default), some configs past it. ``text`` overrides text_config's keys."""
+    config = {
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
         "text_config": {"model_type": "gemma3_text", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
                         "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
@@ -51,6 +51,8 @@ def gemma3_config(image_token: int = IMAGE_TOKEN) -> dict:
         "mm_tokens_per_image": TOKENS_PER_IMAGE, "boi_token_index": BOI, "eoi_token_index": EOI,
         "image_token_index": image_token, "eos_token_id": EOS, "torch_dtype": "float32",
     }
+    config["text_config"].update(text)
+    return config
 
 
 def _vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -91,18 +93,19 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     return tokenizer
 
 
-def tiny_gemma3_vision(root: Path, name: str = "gemma3-vision") -> Path:
+def tiny_gemma3_vision(root: Path, name: str = "gemma3-vision", **text: object) -> Path:
     """A complete tiny Gemma 3 image-text checkpoint folder under ``root``: config.json
     and model.safetensors (transformers' save_pretrained of tests/test_vision_gemma3.py's
     model, seeded), tokenizer.json and tokenizer_config.json (Gemma 3's chat template from
-    tests/chat_templates/gemma3.jinja, ``<bos>``, ``<eos>``, no BOS added to encodings)."""
+    tests/chat_templates/gemma3.jinja, ``<bos>``, ``<eos>``, no BOS added to encodings);
+    ``text`` overrides text_config's keys."""
     from transformers import AutoConfig, Gemma3ForConditionalGeneration
 
     from .conftest import reinitialise
 
     folder = root / name
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(gemma3_config()))
+    (folder / "config.json").write_text(json.dumps(gemma3_config(**text)))
     model = Gemma3ForConditionalGeneration(AutoConfig.from_pretrained(folder))
     reinitialise(model, seed=7)
     model.save_pretrained(folder)

@@ -7,7 +7,7 @@ import errno
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,12 +226,14 @@ def main() -> None:
               help="Answer with a JSON object (enforced token by token).")
 @click.option("--schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Answer with JSON valid against this JSON schema file (enforced token by token).")
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="The vision projector file (llama.cpp's mmproj) of MODEL, a .gguf file (in-process only).")
 @click.option("--device", default=None, help="cpu or cuda; default cuda when available (in-process only).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16; default picks per device (in-process only).")
 @engine_options
 def run(model: str, prompt: str | None, system: str | None, max_tokens: int | None, temperature: float | None,
         top_p: float | None, top_k: int | None, seed: int | None, raw: bool, images: tuple[Path, ...],
-        output_format: str | None, schema: Path | None, device: str | None, dtype: str | None,
+        output_format: str | None, schema: Path | None, mmproj: Path | None, device: str | None, dtype: str | None,
         **options: object) -> None:
     """Chat with MODEL (a registry name, a .gguf file or an HF checkpoint folder), or
     answer PROMPT and exit. Runs on the daemon when it is up and serves MODEL, else
@@ -240,7 +242,7 @@ def run(model: str, prompt: str | None, system: str | None, max_tokens: int | No
     from .chat_repl import ChatSettings, chat_loop, image_data_url, messages_for, stdin_reader, user_message, write_stdout
 
     image_urls = [image_data_url(path) for path in images]  # checked before a model loads
-    backend = _run_backend(model, device, dtype, options)
+    backend = _run_backend(model, device, dtype, options, mmproj)
     if image_urls and (raw or not backend.has_template):
         raise LocalserveError("images need the model's chat template to place them: drop --raw" if raw
                               else f"{model} has no chat template to place images in")
@@ -282,9 +284,11 @@ def _read_schema(path: Path) -> dict[str, Any]:
     return schema
 
 
-def _run_backend(model: str, device: str | None, dtype: str | None, options: dict[str, object]) -> Backend:
+def _run_backend(model: str, device: str | None, dtype: str | None, options: dict[str, object],
+                 mmproj: Path | None = None) -> Backend:
     """The daemon when one is reachable and serves ``model`` (a name: what the daemon
-    means by it, as ``stop`` and ``ps`` do), else an engine in this process."""
+    means by it, as ``stop`` and ``ps`` do), else an engine in this process (``mmproj``:
+    a .gguf model file's vision projector)."""
     from ..client import DaemonClient
     from ..engine.engine import Engine
     from ..registry import open_registry
@@ -292,6 +296,10 @@ def _run_backend(model: str, device: str | None, dtype: str | None, options: dic
     from .run_backends import LocalBackend, daemon_backend
 
     path, settings = Path(model).expanduser(), ModelSettings()
+    if mmproj is not None:
+        if not path.is_file():
+            raise click.BadParameter("goes with MODEL as a .gguf file", param_hint="--mmproj")
+        path = served_models([str(path)], [str(mmproj)]).popitem()[1]
     if not path.exists():
         client = DaemonClient()
         if client.reachable() and (backend := daemon_backend(client, model)) is not None:
@@ -316,10 +324,35 @@ def model_source(value: str) -> tuple[str, Path]:
     return name or resolved.name.removesuffix(".gguf"), resolved
 
 
+def served_models(models: Sequence[str], projectors: Sequence[str]) -> dict[str, Path]:
+    """``--model`` values by name, each GGUF model named by ``--mmproj [NAME=]PATH`` paired
+    with its vision projector (a folder of links to both under the localserve home, which
+    opens as one model: formats/mmproj.py)."""
+    from ..formats.mmproj import pair_folder
+    from ..registry import default_home
+
+    sources = dict(model_source(value) for value in models)
+    for value in projectors:
+        name, sep, path = value.partition("=")
+        if not sep or "/" in name:
+            name, path = "", value
+        if not name and len(sources) != 1:
+            raise click.BadParameter("say which model a projector is for when several are served: --mmproj "
+                                     "NAME=PATH", param_hint="--mmproj")
+        name = name or next(iter(sources))
+        if name not in sources:
+            raise click.BadParameter(f"no --model named {name!r}", param_hint="--mmproj")
+        sources[name] = pair_folder(sources[name], Path(path), default_home() / "mmproj-links")
+    return sources
+
+
 @main.command()
 @click.option("--model", "models", multiple=True, metavar="[NAME=]PATH",
               help="A model to serve as NAME (default: the file or folder name), loaded at start-up. Repeatable "
                    "(in LOCALSERVE_MODEL: separated by spaces). SIGHUP re-reads the config file's list.")
+@click.option("--mmproj", "projectors", multiple=True, metavar="[NAME=]PATH",
+              help="A GGUF model's vision projector file (llama.cpp's mmproj): the images side of --model NAME "
+                   "(NAME may be left out when one model is served). Repeatable.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback needs --api-key.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(min=1, max=65535))
@@ -364,7 +397,8 @@ def model_source(value: str) -> tuple[str, Path]:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @engine_options
 @config_file_option
-def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ollama_port: int | None,
+def serve(config: Path | None, models: tuple[str, ...], projectors: tuple[str, ...], host: str, port: int,
+          ollama_port: int | None,
           api_key: str | None,
           insecure_no_auth: bool, cors_origins: tuple[str, ...], allow_pull_from: tuple[Path, ...], keep_alive: str,
           max_loaded_models: int,
@@ -388,7 +422,7 @@ def serve(config: Path | None, models: tuple[str, ...], host: str, port: int, ol
     from ..server.serve import serve as run_server
 
     configure_logging(log_level)
-    sources = dict(model_source(value) for value in models)
+    sources = served_models(models, projectors)
     try:
         keep_alive_s = parse_keep_alive(keep_alive)
     except ValueError as exc:
@@ -420,7 +454,8 @@ def _model_list_on_reload(config_file: Path | None) -> Callable[[], dict[str, Pa
     if ctx.get_parameter_source("models") in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
         return None
     read_models = reread(config_file or default_config_path(), ctx.command, "models", [])
-    return lambda: dict(model_source(value) for value in read_models())
+    read_projectors = reread(config_file or default_config_path(), ctx.command, "projectors", [])
+    return lambda: served_models(read_models(), read_projectors())
 
 
 @main.command()
@@ -515,14 +550,20 @@ def show(model: str, as_json: bool, show_template: bool, show_license: bool, sho
 @click.option("--json", "as_json", is_flag=True, help="Print the registered model as JSON.")
 @click.option("--max-size", default="64GiB", show_default=True, type=ByteSize(), envvar="LOCALSERVE_MAX_DOWNLOAD_SIZE",
               help="Refuse a downloaded file larger than this.")
-def pull(source: str, name: str | None, sha256: str | None, as_json: bool, max_size: int) -> None:
+@click.option("--mmproj", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A local .gguf model's vision projector file (llama.cpp's mmproj), stored with it.")
+def pull(source: str, name: str | None, sha256: str | None, as_json: bool, max_size: int,
+         mmproj: Path | None) -> None:
     """Add a model to the registry from SOURCE:
 
     \b
     hf.co/OWNER/REPO[:TAG]   a Hub repo; in a GGUF repo TAG picks the quantization
-                             (default Q4_K_M) or a file name
+                             (default Q4_K_M) or a file name, and a vision
+                             projector (mmproj) there comes too
     https://.../FILE.gguf    a file by URL (resumable)
-    ./model.gguf, ./folder   a local file or HF checkpoint folder (copied)
+    ./model.gguf, ./folder   a local file (--mmproj: with its vision projector),
+                             an HF checkpoint folder or a folder holding a GGUF
+                             model and its projector (copied)
 
     An interrupted pull resumes where it stopped; every file is verified before
     the model is listed."""
@@ -534,7 +575,8 @@ def pull(source: str, name: str | None, sha256: str | None, as_json: bool, max_s
 
     progress = progress_bar()
     try:
-        record = pull_model(open_registry(), source, name, sha256, progress, max_size)
+        record = pull_model(open_registry(), source, name, sha256, progress, max_size,
+                            mmproj=str(mmproj) if mmproj else None)
     finally:
         if progress.live.is_started:
             progress.stop()

@@ -55,6 +55,8 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
     spec = checkpoint.spec
     counts = spec.parameter_counts()
     files = checkpoint.gguf.paths if checkpoint.gguf is not None else checkpoint.files or [checkpoint.path]
+    if checkpoint.mmproj is not None:
+        files = [*files, checkpoint.mmproj.path]
     file_bytes = sum(f.stat().st_size for f in files)
     info: dict[str, object] = {
         "path": str(checkpoint.path),
@@ -76,7 +78,7 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         "vocab_size": spec.vocab_size,
         "file_bytes": file_bytes,
         "license": gguf_license(checkpoint),
-        "image_text": checkpoint.image_text,
+        "image_text": checkpoint.reads_images,
         "pooling": spec.pooling,
     }
     lines = [
@@ -92,9 +94,17 @@ def model_info(path: str | Path | Checkpoint) -> tuple[dict[str, object], list[t
         pooled = {"last": "the last token's", "cls": "the first token's", "mean": "the mean of the tokens'"}
         lines.insert(2, ("embeddings", f"{spec.hidden_size:,} values, {pooled[spec.pooling]} hidden state: an "
                                        "embedding model (it answers /v1/embeddings and /api/embed, not chat)"))
-    if checkpoint.image_text:
+    if checkpoint.reads_images:
         lines.insert(2, ("images", _images(checkpoint)))
     return info, lines
+
+
+def check_images(checkpoint: Checkpoint) -> None:
+    """A model that reads images has image settings that make sense (and a GGUF model's
+    projector is made for it): what a registration checks beyond ``check_loadable``."""
+    from ..vision.config import read_image_config
+
+    read_image_config(checkpoint)
 
 
 def _images(checkpoint: Checkpoint) -> str:
@@ -107,7 +117,8 @@ def _images(checkpoint: Checkpoint) -> str:
     assert config is not None  # an image-text checkpoint
     tower = config.vision
     return (f"read (OpenAI image_url, Ollama images, Anthropic image blocks): a {tower.num_layers}-layer SigLIP "
-            f"tower at {tower.image_size} px, {config.tokens_per_image} tokens per image")
+            f"tower at {tower.image_size} px, {config.tokens_per_image} tokens per image"
+            + (f", from {checkpoint.mmproj.path.name}" if checkpoint.mmproj else ""))
 
 
 def _windows(spec: ModelSpec) -> str:

@@ -17,7 +17,7 @@ from ..json_files import read_json_object
 from ..text.chat_template import ChatTemplate, NoChatTemplateError
 from ..text.gguf_tokenizer import tokenizer_from_gguf_metadata
 from ..text.tokenizer import Tokenizer
-from . import embedding, gpt_oss, hf, multimodal
+from . import embedding, gpt_oss, hf, mmproj, multimodal
 from .architectures import ARCHITECTURES
 from .gguf import chat_template_from_gguf, spec_from_gguf
 from .gguf_file import GGUFFile, read_gguf
@@ -43,8 +43,16 @@ class Checkpoint:
     image_text: bool = False
     # Tensors saved from the bare model class, without the ``model.`` prefix (formats/embedding.py).
     bare: bool = False
-    # An image-text checkpoint's vision tower and projector, under multimodal.vision_name's names.
+    # An image-text checkpoint's vision tower and projector, under multimodal.vision_name's names
+    # (a GGUF model's: its projector file's, under mmproj.vision_name's).
     vision_headers: list[TensorHeader] = field(default_factory=list)
+    # A GGUF model's vision projector file (llama.cpp's mmproj, formats/mmproj.py).
+    mmproj: GGUFFile | None = None
+
+    @property
+    def reads_images(self) -> bool:
+        """It has a vision side: an image-text HF checkpoint, or a GGUF model with a projector."""
+        return self.image_text or self.mmproj is not None
 
     @property
     def quantized_gguf(self) -> bool:
@@ -67,7 +75,8 @@ class Checkpoint:
         """What a load checks before it allocates anything, and a pull before it registers
         a model, so that what is listed loads: every tensor there, shaped and of a type
         localserve loads (from the headers); the tokenizer builds; the chat template, when
-        the model has one, compiles. Returns the tokenizer."""
+        the model has one, compiles. Returns the tokenizer. (A registration also checks
+        the image side: facts.checkpoint.check_images.)"""
         from .layout import check_tensors  # layout imports this module
 
         check_tensors(self)
@@ -107,13 +116,15 @@ def read_tokenizer(path: Path, gguf: GGUFFile | None = None) -> Tokenizer | None
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint's description (not its weights yet): an HF folder or a .gguf file."""
+    """Read a checkpoint's description (not its weights yet): an HF folder, a .gguf file,
+    or a folder holding a .gguf model and its vision projector (formats/mmproj.py)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise LocalserveError(f"{path}: no such file or folder")
     if path.is_file():
-        gguf = read_gguf(path)
-        return Checkpoint(path=path, spec=spec_from_gguf(gguf), files=[], gguf=gguf)
+        return open_gguf(path)
+    if not (path / "config.json").exists() and (files := mmproj.gguf_folder_files(path)) is not None:
+        return open_gguf(*files)
     config = hf.read_config(path)
     text_config = multimodal.text_config(config)
     spec = hf.spec_from_config(text_config or config)
@@ -138,6 +149,23 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     _merge_generation_eos(path, spec)
     return Checkpoint(path=path, spec=spec, files=files, headers=headers, quant=quant,
                       image_text=text_config is not None, bare=bare, vision_headers=vision_headers)
+
+
+def open_gguf(path: Path, projector: Path | None = None) -> Checkpoint:
+    """A .gguf model file (a split model's first shard), with its vision projector file when given."""
+    gguf = read_gguf(path)
+    try:
+        if mmproj.is_projector(gguf):
+            raise LocalserveError(f"{path} is a vision projector (mmproj), not a model: open its model with it "
+                                  "(--mmproj, or a folder holding both)")
+        checkpoint = Checkpoint(path=path, spec=spec_from_gguf(gguf), files=[], gguf=gguf)
+        if projector is not None:
+            checkpoint.mmproj = mmproj.open_projector(projector)
+            checkpoint.vision_headers = mmproj.vision_headers(checkpoint.mmproj)
+    except BaseException:
+        gguf.close()
+        raise
+    return checkpoint
 
 
 def _check_group_size(spec: ModelSpec, quant: QuantConfig) -> None:

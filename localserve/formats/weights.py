@@ -20,8 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
-from ..kernels.quant_weight import QuantWeight
-from . import embedding, gpt_oss, hf, multimodal
+from ..kernels.quant_weight import QuantWeight, dequantize
+from . import embedding, gpt_oss, hf, mmproj, multimodal
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_TENSORS, hf_name
 from .gguf_file import GGUFFile
 from .gguf_quants import gguf_to_weight, loaded_nbytes
@@ -49,8 +49,22 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
 
 def iter_vision_weights(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of an image-text checkpoint's vision tower and projector
-    (``multimodal.vision_name``'s names), the text model's tensors skipped unread."""
+    (``multimodal.vision_name``'s names), the text model's tensors skipped unread; a GGUF
+    model's from its projector file (``mmproj.vision_name``'s names), dequantized."""
+    if checkpoint.mmproj is not None:
+        return _projector_weights(checkpoint.mmproj)
     return _safetensors(checkpoint.files, multimodal.vision_name)
+
+
+def _projector_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    for info in gguf.tensors.values():
+        name = mmproj.vision_name(info.name)
+        if name is None:
+            raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a Gemma 3 vision projector")
+        weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
+        # The encoder runs dense (an mmproj file is mostly F16/F32; a quantized one is widened).
+        tensor = dequantize(weight).reshape(info.shape) if isinstance(weight, QuantWeight) else weight
+        yield name, tensor - 1 if info.name in mmproj.SHIFTED_BY_ONE else tensor
 
 
 def _safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None,
@@ -127,6 +141,10 @@ def tensor_sizes(checkpoint: Checkpoint, dtype: torch.dtype) -> Iterator[TensorS
                 continue
             loaded = loaded_nbytes(info.name, info.ggml_type, info.shape, item_bytes)
             yield TensorSize(info.name, info.n_elements, gguf.tensor_nbytes(info.name), loaded)
+        if checkpoint.mmproj is not None:  # its projector's, loaded dense
+            for info in checkpoint.mmproj.tensors.values():
+                yield TensorSize(info.name, info.n_elements, checkpoint.mmproj.tensor_nbytes(info.name),
+                                 info.n_elements * item_bytes)
         return
     quant = checkpoint.quant
     for name, shape, stored in [*checkpoint.headers, *checkpoint.vision_headers]:  # the vision side's too

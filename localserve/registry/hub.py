@@ -97,9 +97,31 @@ def check_repo_path(path: str) -> str:
 # -- choosing files ------------------------------------------------------------------------
 
 
-def _is_weights_gguf(path: str) -> bool:
+def is_projector_name(path: str) -> bool:
+    """A vision projector file by its name (llama.cpp's converter: ``mmproj-*.gguf``)."""
     name = PurePosixPath(path).name.lower()
-    return name.endswith(".gguf") and "mmproj" not in name  # vision projectors are not the model
+    return name.endswith(".gguf") and "mmproj" in name
+
+
+def _is_weights_gguf(path: str) -> bool:
+    return path.lower().endswith(".gguf") and not is_projector_name(path)  # vision projectors are not the model
+
+
+# Which projector to take when a repo has several, best first: the quantization the model
+# was pulled in, then F16 (what llama.cpp's converter writes by default), BF16, F32, Q8_0.
+_PROJECTOR_PREFERENCE = ("f16", "bf16", "f32", "q8_0")
+
+
+def choose_projector(files: list[RepoFile], label: str) -> list[RepoFile]:
+    """The repo's vision projector for a model pulled as ``label`` (none: [])."""
+    projectors = sorted((f for f in files if is_projector_name(f.path)), key=lambda f: f.path)
+    if len(projectors) <= 1:
+        return projectors
+    for wanted in (label.lower(), *_PROJECTOR_PREFERENCE):
+        matching = [f for f in projectors if _quant_pattern(wanted).search(f.name.lower())]
+        if matching:
+            return matching[:1]
+    return projectors[:1]
 
 
 def _quant_pattern(tag: str) -> re.Pattern[str]:
@@ -174,6 +196,7 @@ def plan_pull(source: HubSource, revision: str, files: list[RepoFile], license: 
     repo_name = re.sub(r"[-_.]gguf$", "", source.repo.split("/")[1], flags=re.IGNORECASE)
     if is_gguf_repo(files):
         chosen, tag = choose_gguf(files, source.tag)
+        chosen += choose_projector(files, tag)
     else:
         chosen, tag = choose_checkpoint_files(files), (source.tag or "latest")
     if len({f.name for f in chosen}) != len(chosen):

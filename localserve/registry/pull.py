@@ -25,10 +25,16 @@ from .registry import ModelFile, ModelRecord, Registry, check_file_name
 
 def pull(registry: Registry, source: str, name: str | None = None, sha256: str | None = None,
          progress: Progress | None = None, max_bytes: int = DEFAULT_MAX_FILE_BYTES,
-         local_roots: Sequence[Path] | None = None) -> ModelRecord:
-    """Pull ``source``: ``hf.co/<owner>/<repo>[:<tag>]``, an ``https://`` URL of a .gguf
-    file, or a local .gguf file or HF checkpoint folder (with ``local_roots``, only one
+         local_roots: Sequence[Path] | None = None, mmproj: str | None = None) -> ModelRecord:
+    """Pull ``source``: ``hf.co/<owner>/<repo>[:<tag>]`` (with its vision projector when
+    the repo has one), an ``https://`` URL of a .gguf file, or a local .gguf file (with
+    ``mmproj``, a local projector file) or model folder (with ``local_roots``, only one
     below those folders: see ``local_source``); no file may be larger than ``max_bytes``."""
+    if mmproj is not None:
+        path, projector = local_source(source, local_roots), local_source(mmproj, local_roots)
+        if path is None or projector is None:
+            raise LocalserveError("--mmproj goes with a local .gguf model file, and names a local projector file")
+        return import_local(registry, path, name, sha256, max_bytes, projector)
     if (hub_source := hub.parse_hub_source(source)) is not None:
         return pull_hub(registry, hub_source, name, progress, max_bytes)
     if re.match(r"https?://", source, re.IGNORECASE):
@@ -67,9 +73,14 @@ def _import_cached(registry: Registry, source: hub.HubSource, name: str | None) 
 
 
 def _model_files(registry: Registry, plan: hub.HubPlan, digests: list[str]) -> list[ModelFile]:
-    return [ModelFile(file.name, digest, registry.blobs.path(digest).stat().st_size,
-                      "weights" if file.name.lower().endswith(".gguf") else role_of(file.name) or "other")
+    return [ModelFile(file.name, digest, registry.blobs.path(digest).stat().st_size, _role(file.name))
             for file, digest in zip(plan.files, digests, strict=True)]
+
+
+def _role(file_name: str) -> str:
+    if file_name.lower().endswith(".gguf"):
+        return "projector" if hub.is_projector_name(file_name) else "weights"
+    return role_of(file_name) or "other"
 
 
 def progress_bar() -> Progress:

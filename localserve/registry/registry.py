@@ -28,7 +28,7 @@ from .builtin import BUILTIN, BuiltinModel
 from .settings import ModelSettings
 from .names import ModelName, parse_name
 
-ROLES = ("weights", "config", "tokenizer", "template", "license", "settings", "other")
+ROLES = ("weights", "projector", "config", "tokenizer", "template", "license", "settings", "other")
 # A model's own defaults (a Modelfile's PARAMETER, SYSTEM, TEMPLATE, MESSAGE): settings.py.
 SETTINGS_FILE = "settings.json"
 MAX_SETTINGS_BYTES = 8 << 20
@@ -82,9 +82,10 @@ class ModelRecord:
 
     @property
     def entry(self) -> str:
-        """What the engine opens: the .gguf file for a single-file GGUF, else the folder."""
+        """What the engine opens: the .gguf file for a GGUF model (a split one's first part),
+        else the folder (an HF checkpoint, or a GGUF model with its vision projector)."""
         weights = [f.name for f in self.files if f.role == "weights"]
-        if self.format == "gguf" and weights:
+        if self.format == "gguf" and weights and not any(f.role == "projector" for f in self.files):
             return sorted(weights)[0]
         return ""
 

@@ -84,7 +84,7 @@ def _facts(path: Path, version: str) -> ModelFacts:
         layers=int(info["layers"]), hidden_size=int(info["hidden_size"]), heads=int(info["heads"]),
         kv_heads=int(info["kv_heads"]), file_bytes=int(info["file_bytes"]),
         template=template.source if template is not None else None, license=info["license"],  # type: ignore[arg-type]
-        pooling=checkpoint.spec.pooling, vision=checkpoint.image_text)
+        pooling=checkpoint.spec.pooling, vision=checkpoint.reads_images)
 
 
 def _digest(entry: CatalogEntry) -> str:

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, device: torch.device,
                        dtype: torch.dtype) -> ImageEncoder | None:
     """The image encoder of an image-text checkpoint (Gemma 3's vision tower and projector,
-    read from its shards), on ``device`` in ``dtype``; None for a text-only one."""
-    if not checkpoint.image_text:
+    read from its shards or a GGUF model's projector file), on ``device`` in ``dtype``;
+    None for a text-only one."""
+    if not checkpoint.reads_images:
         return None
     from ..formats.weights import iter_vision_weights
     from .config import read_image_config
@@ -30,7 +31,7 @@ def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, devi
     config = read_image_config(checkpoint)
     assert config is not None  # an image-text checkpoint
     model = Gemma3Vision(config, checkpoint.spec.hidden_size)
-    _load(model, iter_vision_weights(checkpoint), str(checkpoint.path))
+    _load(model, iter_vision_weights(checkpoint), str(checkpoint.mmproj.path if checkpoint.mmproj else checkpoint.path))
     return ImageEncoder(model.to(device=device, dtype=dtype).eval(), tokenizer, checkpoint.spec.vocab_size, device)
 
 

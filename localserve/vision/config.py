@@ -6,6 +6,7 @@ and image tokens."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from ..errors import LocalserveError
 
 if TYPE_CHECKING:
     from ..formats import Checkpoint
+    from ..formats.gguf_file import GGUFFile
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +43,13 @@ class SiglipConfig:
         activation = config.get("hidden_act", "gelu_pytorch_tanh")
         if activation != "gelu_pytorch_tanh":
             raise LocalserveError(f"config.json: a vision tower with activation {activation!r} is not supported")
-        if made.hidden_size % made.num_heads or made.image_size % made.patch_size or min(
-                made.hidden_size, made.intermediate_size, made.num_layers, made.num_heads, made.patch_size) < 1:
-            raise LocalserveError("config.json: vision_config's sizes do not fit together")
-        return made
+        return made.check("config.json: vision_config")
+
+    def check(self, where: str) -> SiglipConfig:
+        if min(self.hidden_size, self.intermediate_size, self.num_layers, self.num_heads, self.patch_size) < 1 or (
+                self.hidden_size % self.num_heads or self.image_size % self.patch_size):
+            raise LocalserveError(f"{where}: the vision tower's sizes do not fit together")
+        return self
 
     @property
     def patches_per_side(self) -> int:
@@ -80,13 +85,54 @@ class Gemma3ImageConfig:
             raise LocalserveError(f"Gemma 3's image settings cannot be read: {exc}") from None
         if preprocessor.get("do_pan_and_scan"):
             raise LocalserveError("preprocessor_config.json: pan-and-scan is not supported (turn do_pan_and_scan off)")
-        side = math.isqrt(made.tokens_per_image)
-        if side < 1 or side * side != made.tokens_per_image or vision.patches_per_side % side:
-            raise LocalserveError(f"config.json: mm_tokens_per_image {made.tokens_per_image} is not a square that "
-                                  f"divides the tower's {vision.patches_per_side} x {vision.patches_per_side} patches")
-        if min(made.std) <= 0:
-            raise LocalserveError("preprocessor_config.json: image_std must be positive")
-        return made
+        return made.checked("config.json")
+
+    @classmethod
+    def from_mmproj(cls, projector: GGUFFile, tokens: Sequence[str], text_hidden: int) -> Gemma3ImageConfig:
+        """From llama.cpp's projector file (its ``clip.vision.*`` keys, as the converter
+        writes them from the same config files) and the text model's vocabulary, where the
+        image tokens are found by their text."""
+        metadata = projector.metadata
+
+        def value(key: str, kind: type, default: Any = None) -> Any:
+            found = metadata.get(f"clip.vision.{key}", default)
+            if found is None or isinstance(found, bool) or not isinstance(found, kind) or (kind is int and found < 1):
+                raise LocalserveError(f"{projector.path}: metadata clip.vision.{key} is missing or bad ({found!r})")
+            return found
+
+        vision = SiglipConfig(hidden_size=value("embedding_length", int),
+                              intermediate_size=value("feed_forward_length", int),
+                              num_layers=value("block_count", int), num_heads=value("attention.head_count", int),
+                              image_size=value("image_size", int), patch_size=value("patch_size", int),
+                              layer_norm_eps=float(value("attention.layer_norm_epsilon", (int, float), 1e-6)))
+        vision.check(str(projector.path))
+        if value("projection_dim", int) != text_hidden:
+            raise LocalserveError(f"{projector.path}: the projector makes {value('projection_dim', int)}-wide tokens "
+                                  f"for a text model {text_hidden} wide: it belongs to another model")
+        # llama.cpp's default pooling: 4 x 4 patches per image token (every Gemma 3 size).
+        pooled_side = vision.patches_per_side // value("projector.scale_factor", int, 4)
+        ids = {}
+        for key, text in (("boi", "<start_of_image>"), ("eoi", "<end_of_image>"), ("image", "<image_soft_token>")):
+            try:
+                ids[key] = tokens.index(text)
+            except ValueError:
+                raise LocalserveError(f"the model's vocabulary lacks Gemma 3's image token {text}") from None
+        try:
+            made = cls(vision=vision, tokens_per_image=pooled_side * pooled_side, image_token_id=ids["image"],
+                       boi_token_id=ids["boi"], eoi_token_id=ids["eoi"], mean=_triple(value("image_mean", list)),
+                       std=_triple(value("image_std", list)), rescale_factor=1 / 255)
+        except (TypeError, ValueError) as exc:
+            raise LocalserveError(f"{projector.path}: clip.vision.image_mean / image_std: {exc}") from None
+        return made.checked(str(projector.path))
+
+    def checked(self, where: str) -> Gemma3ImageConfig:
+        side = math.isqrt(self.tokens_per_image)
+        if side < 1 or side * side != self.tokens_per_image or self.vision.patches_per_side % side:
+            raise LocalserveError(f"{where}: {self.tokens_per_image} tokens per image is not a square that divides the "
+                                  f"tower's {self.vision.patches_per_side} x {self.vision.patches_per_side} patches")
+        if min(self.std) <= 0:
+            raise LocalserveError(f"{where}: the image std must be positive")
+        return self
 
 
 def _triple(value: Any) -> tuple[float, float, float]:
@@ -98,7 +144,12 @@ def _triple(value: Any) -> tuple[float, float, float]:
 
 def read_image_config(checkpoint: Checkpoint) -> Gemma3ImageConfig | None:
     """The image side of an image-text checkpoint (its config.json and, when present,
-    preprocessor_config.json), or None for a text-only one."""
+    preprocessor_config.json; or a GGUF model's projector file), or None for a text-only one."""
+    if checkpoint.mmproj is not None:
+        assert checkpoint.gguf is not None  # only a GGUF model has a projector file
+        tokens = checkpoint.gguf.metadata.get("tokenizer.ggml.tokens")
+        return Gemma3ImageConfig.from_mmproj(checkpoint.mmproj, tokens if isinstance(tokens, list) else [],
+                                             checkpoint.spec.hidden_size)
     if not checkpoint.image_text:
         return None
     from ..formats import hf
