@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from localserve.errors import LocalserveError
 from localserve.formats.spec import RopeSpec
 
 
@@ -91,6 +92,27 @@ def _yarn(inv_freq: torch.Tensor, rope: RopeSpec, rotary_dim: int) -> tuple[torc
     return mixed.float(), float(attention_factor)
 
 
+def _mrope_axes(rope: RopeSpec, rotary_dim: int, device: torch.device) -> torch.Tensor | None:
+    """For M-RoPE, which of a token's three positions each rotary dimension turns by:
+    sections of consecutive pairs (Qwen2-VL, Qwen2.5-VL) or, interleaved (Qwen3-VL), pair
+    i by position i % 3 until a section runs out; both halves alike."""
+    if rope.mrope_section is None:
+        return None
+    sections = rope.mrope_section
+    if sum(sections) != rotary_dim // 2:
+        raise LocalserveError(f"mrope_section {list(sections)} covers {sum(sections)} frequency pairs; "
+                              f"the heads have {rotary_dim // 2}")
+    if rope.mrope_interleaved:
+        axes, left = [], list(sections)
+        for pair in range(rotary_dim // 2):
+            axis = pair % 3 if left[pair % 3] > 0 else 0
+            left[axis] -= 1
+            axes.append(axis)
+    else:
+        axes = [axis for axis, count in enumerate(sections) for _ in range(count)]
+    return torch.tensor(axes * 2, dtype=torch.long, device=device)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Rotary embeddings at arbitrary (flat-batch) positions."""
 
@@ -102,11 +124,19 @@ class RotaryEmbedding(torch.nn.Module):
         # cos/sin of each pair, repeated for both halves as rotate_half expects.
         self.register_buffer("cos", (angles.cos() * scale).repeat(1, 2).to(device), persistent=False)
         self.register_buffer("sin", (angles.sin() * scale).repeat(1, 2).to(device), persistent=False)
+        self.register_buffer("axis", _mrope_axes(rope, self.rotary_dim, device), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[tokens, 1, rotary_dim]`` at these positions; once per forward,
-        shared by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        shared by every layer. M-RoPE positions are ``[3, tokens]`` (frame, row, column):
+        each frequency pair turns by the one its section names (a text token's three are
+        equal, so plain ``[tokens]`` positions serve it too)."""
+        if positions.dim() == 1:
+            return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        assert self.axis is not None, "three positions per token for a model without M-RoPE"
+        index = self.axis.unsqueeze(0).expand(positions.shape[1], -1)  # [tokens, rotary_dim]: which of the three
+        cos, sin = (table[positions].gather(0, index.unsqueeze(0)).squeeze(0) for table in (self.cos, self.sin))
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [tokens, heads, head_dim]``; dimensions past rotary_dim pass through."""

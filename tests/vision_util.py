@@ -55,8 +55,9 @@ def gemma3_config(image_token: int = IMAGE_TOKEN, **text: object) -> dict:
     return config
 
 
-def _vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Every id 0..VOCAB-1: the special tokens at their ids, newlines, printable ASCII,
+def _vocabulary(special_tokens: dict[int, str] = SPECIAL_TOKENS, size: int = VOCAB,
+                ) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Every id 0..size-1: the special tokens at their ids, newlines, printable ASCII,
     the words' merge chains, then unused fillers."""
     pieces: list[str] = ["\n", "\n\n", *(chr(c) for c in range(32, 127))]
     merges: list[tuple[str, str]] = [("\n", "\n")]
@@ -68,27 +69,29 @@ def _vocabulary() -> tuple[dict[str, int], list[tuple[str, str]]]:
                     merges.append(merge)
                 if spelled[:end] not in pieces:
                     pieces.append(spelled[:end])
-    vocab: dict[str, int] = {text: token for token, text in SPECIAL_TOKENS.items()}
-    free = (token for token in range(VOCAB) if token not in SPECIAL_TOKENS)
+    vocab: dict[str, int] = {text: token for token, text in special_tokens.items()}
+    free = (token for token in range(size) if token not in special_tokens)
     for piece in pieces:
         vocab[piece] = next(free)
     for token in free:
         vocab[f"<unused{token}>"] = token
-    assert sorted(vocab.values()) == list(range(VOCAB)), "the pieces do not fit the vocabulary"
+    assert sorted(vocab.values()) == list(range(size)), "the pieces do not fit the vocabulary"
     return vocab, merges
 
 
-def build_tokenizer():  # type: ignore[no-untyped-def]
-    """The ``tokenizers.Tokenizer`` the checkpoint's tokenizer.json holds."""
+def build_tokenizer(special_tokens: dict[int, str] = SPECIAL_TOKENS, size: int = VOCAB,
+                    unk: str = "<unk>"):  # type: ignore[no-untyped-def]
+    """The ``tokenizers.Tokenizer`` the checkpoint's tokenizer.json holds (another
+    family's special tokens and vocabulary size when given)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab, merges = _vocabulary()
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True))
+    vocab, merges = _vocabulary(special_tokens, size)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(PRE_TOKENIZER), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                                  for _, text in sorted(SPECIAL_TOKENS.items())])
-    for token, text in SPECIAL_TOKENS.items():
+                                  for _, text in sorted(special_tokens.items())])
+    for token, text in special_tokens.items():
         assert tokenizer.token_to_id(text) == token, (text, tokenizer.token_to_id(text))
     return tokenizer
 

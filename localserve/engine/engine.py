@@ -213,15 +213,20 @@ class Engine:
     ) -> str:
         """Queue a request: a generation, or with ``pooling`` an embedding (an embedding
         model's only kind); its id. ``images`` go where the prompt has an image marker
-        (``<start_of_image>`` for Gemma 3, as its chat template writes), in order."""
+        (``<start_of_image>`` for Gemma 3, ``<|image_pad|>`` for Qwen2.5-VL, as their chat
+        templates write them), in order."""
         self._check_kind(pooling)
         params = params or (SamplingParams(max_tokens=1) if pooling is not None else SamplingParams())
         spans: list[ImageSpan] = []
+        mrope: tuple[torch.Tensor, int] | None = None
         if images:
             if self.images is None or pooling is not None:
                 raise LocalserveError("this model does not read images" if self.images is None
                                       else "embeddings of images are not supported")
             prompt_ids, spans = self.images.place(prompt, images)
+            if self.spec.rope.mrope_section is not None:  # Qwen-VL: image tokens turn by their row and column
+                mrope = self.images.rope_positions(prompt_ids, spans)
+            prompt_ids = self.images.prompt_ids(prompt_ids)
         else:
             prompt_ids = self._encode(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -248,6 +253,8 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         request = Request(request_id, prompt_ids, params, self.eos_token_ids, generator, images=spans)
+        if mrope is not None:
+            request.mrope_positions, request.position_delta = mrope
         if pooling is not None:
             request.pooling, request.pooling_method = pooling, self.spec.pooling
         if params.output_format is not None:

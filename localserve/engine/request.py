@@ -62,6 +62,10 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: RequestSpeculation | None = None
     images: list[ImageSpan] = field(default_factory=list)  # where its images' tokens are (vision/encoder.py)
+    # Qwen-VL's M-RoPE (vision/mrope.py): the prompt's [3, tokens] rotary positions when it
+    # holds images, and how far the positions past it run ahead of their index.
+    mrope_positions: torch.Tensor | None = None
+    position_delta: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -107,6 +111,17 @@ class Request:
             return 0
         owed_from = self.prompt_logprobs_owed_from
         return self.num_tokens - 1 if owed_from is None else owed_from
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """``[3, end - start]`` rotary positions of tokens ``start`` to ``end`` of a request
+        with M-RoPE positions: the prompt's as laid out, the rest their index plus the delta."""
+        assert self.mrope_positions is not None
+        prompt = self.num_prompt_tokens
+        inside = self.mrope_positions[:, start:min(end, prompt)]
+        if end <= prompt:
+            return inside
+        after = torch.arange(max(start, prompt), end) + self.position_delta
+        return torch.cat((inside, after.expand(3, -1)), dim=1)
 
     def image_key(self, start: int, end: int) -> bytes:
         """The hashes of the images whose tokens fall in positions ``start`` to ``end``: an

@@ -22,7 +22,7 @@ from .structured_output import StructuredOutputs, with_forced_tokens
 @dataclass(slots=True)
 class ModelInputs:
     input_ids: torch.Tensor  # [tokens]
-    positions: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]; [3, tokens] for M-RoPE rows of a prompt with images (Qwen-VL)
     meta: AttentionMetadata
     # Rows whose logits are computed: first each finishing request's last token (sampled;
     # with draft tokens, that row and theirs), then the prompt positions owed a prompt
@@ -108,6 +108,18 @@ def host_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
+def _rope_positions(positions: list[int], rope_rows: list[tuple[int, torch.Tensor]],
+                    device: torch.device) -> torch.Tensor:
+    """The step's rotary positions: ``[rows]``, or ``[3, rows]`` when a prompt with images
+    of an M-RoPE model is in it (every other row's three positions are one)."""
+    if not rope_rows:
+        return host_tensor(positions, torch.int64, device)
+    three = torch.tensor(positions, dtype=torch.int64).expand(3, -1).clone()
+    for row, values in rope_rows:
+        three[:, row:row + values.shape[1]] = values
+    return three if device.type == "cpu" else three.to(device, non_blocking=True)
+
+
 def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
                    pad_to: GraphShape | None = None) -> ModelInputs:
     """The batch as flat tensors on ``device``; with ``pad_to``, grown to that shape by
@@ -115,6 +127,8 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     graph's shape takes a smaller batch)."""
     input_ids: list[int] = []
     positions: list[int] = []
+    # M-RoPE rows of prompts with images ([3, n] each, Qwen-VL), and the row where each starts.
+    rope_rows: list[tuple[int, torch.Tensor]] = []
     spans: list[Span] = []
     rows = 0  # rows before the request's
     sample_rows, to_sample = [], []
@@ -128,7 +142,11 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
         drafts = request.draft_token_ids  # (a decode's: start is its last token)
         input_ids.extend(request.token_ids[start:end])
         input_ids.extend(drafts[:end - request.num_tokens])
-        positions.extend(range(start, end))
+        if request.mrope_positions is not None and start < request.num_prompt_tokens:
+            rope_rows.append((rows, request.rope_positions(start, end)))
+            positions.extend(range(start, end))  # stand-ins: rope_rows replaces them
+        else:  # past an image prompt's end its three positions are one, its index + delta
+            positions.extend(range(start + request.position_delta, end + request.position_delta))
         span = Span(start, end, request.block_table)
         for image in request.images:
             first, last = max(start, image.start), min(end, image.end)
@@ -163,7 +181,7 @@ def prepare_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     logits_rows = sample_rows + prompt_rows
     return ModelInputs(
         input_ids=host_tensor(input_ids, torch.int64, device),
-        positions=host_tensor(positions, torch.int64, device),
+        positions=_rope_positions(positions, rope_rows, device),
         meta=attention_metadata(spans, block_size, device, padding),
         logits_rows=None if len(logits_rows) == len(input_ids) and logits_rows == list(range(len(input_ids)))
         else host_tensor(logits_rows, torch.int64, device),
@@ -234,6 +252,10 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch) -> RunnerOutput:
         shape = self.graphs.padded_shape(batch.num_new_tokens) if self.graphs else None
         inputs = prepare_inputs(batch, self.block_size, self.device, pad_to=shape)
+        if shape is not None and (inputs.embeds_at is not None or inputs.positions.dim() == 2):
+            # A graph's forward takes token ids and one position per row: image rows run eagerly.
+            shape = None
+            inputs = prepare_inputs(batch, self.block_size, self.device)
         # A request verifying draft tokens samples each of its 1 + k positions as a plain
         # decode of that position would: its rows come one after another.
         row_requests = [(r, j) for r in inputs.to_sample for j in range(1 + len(r.draft_token_ids))]

@@ -108,15 +108,20 @@ def check_images(checkpoint: Checkpoint) -> None:
 
 
 def _images(checkpoint: Checkpoint) -> str:
-    from ..vision.config import read_image_config
+    from ..vision.config import Gemma3ImageConfig, read_image_config
 
     try:
         config = read_image_config(checkpoint)
     except LocalserveError as exc:
         return f"not readable: {exc}"
     assert config is not None  # an image-text checkpoint
+    read = "read (OpenAI image_url, Ollama images, Anthropic image blocks): "
+    if not isinstance(config, Gemma3ImageConfig):  # Qwen2.5-VL
+        processing = config.processing
+        return (f"{read}a {config.depth}-layer Qwen2.5-VL tower at the image's own size ({processing.min_pixels:,} "
+                f"to {processing.max_pixels:,} pixels), a token per {processing.factor} x {processing.factor} pixels")
     tower = config.vision
-    return (f"read (OpenAI image_url, Ollama images, Anthropic image blocks): a {tower.num_layers}-layer SigLIP "
+    return (f"{read}a {tower.num_layers}-layer SigLIP "
             f"tower at {tower.image_size} px, {config.tokens_per_image} tokens per image"
             + (f", from {checkpoint.mmproj.path.name}" if checkpoint.mmproj else ""))
 

@@ -189,6 +189,8 @@ _ROPE_KINDS = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 def _rope_spec(config: dict[str, Any], merged: dict[str, Any]) -> RopeSpec:
     theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
     kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind == "mrope":  # Qwen2-VL's older spelling: default frequencies, turned by three positions
+        kind = "default"
     if kind not in _ROPE_KINDS:
         raise LocalserveError(f"rope type {kind!r} is not supported (supported: {', '.join(_ROPE_KINDS)})")
     max_position = int(config.get("max_position_embeddings", 8192))
@@ -212,7 +214,17 @@ def _rope_spec(config: dict[str, Any], merged: dict[str, Any]) -> RopeSpec:
         partial_rotary_factor=float(merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))),
         short_factor=_floats(merged.get("short_factor")),
         long_factor=_floats(merged.get("long_factor")),
+        mrope_section=_mrope_section(merged.get("mrope_section")),
+        mrope_interleaved=bool(merged.get("mrope_interleaved", False)),
     )
+
+
+def _mrope_section(values: Any) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) != 3 or any(type(v) is not int or v < 0 for v in values):
+        raise LocalserveError(f"config.json: mrope_section must be three counts, not {values!r}")
+    return tuple(values)
 
 
 def _floats(values: Any) -> tuple[float, ...] | None:

@@ -32,6 +32,10 @@ class RopeSpec:
     partial_rotary_factor: float = 1.0
     # GGUF's rope_freqs tensor: each pair's frequency is divided by its factor.
     freq_factors: tuple[float, ...] | None = None
+    # Qwen-VL's multimodal rotary (M-RoPE): how many of each head's frequency pairs turn by a
+    # token's frame, row and column position (in that order, or interleaved: Qwen3-VL).
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
 
 # What a checkpoint may declare: far above any real model (the largest have ~160 layers,

@@ -162,7 +162,7 @@ class LoadedModel:
     def images(self) -> ImagePlacement | None:
         """Where images go in its prompts; None for a model that reads no images."""
         image_config = read_image_config(self.engine.engine.checkpoint)
-        return ImagePlacement(image_config, self.tokenizer) if image_config else None
+        return ImagePlacement(image_config.layout(), image_config.tokens_for, self.tokenizer) if image_config else None
 
     def chat_template(self) -> ChatTemplate:
         if self._chat_template is None:

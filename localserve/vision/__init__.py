@@ -1,5 +1,5 @@
 """Images in: decoding what clients send (image_input.py), each family's processor and
-encoder (gemma3.py on siglip.py), and the engine's one way in (encoder.py).
+encoder (gemma3.py on siglip.py; qwen_vl.py), and the engine's one way in (encoder.py).
 
 ``load_image_encoder`` gives the engine a model's ImageEncoder, or None for a model that
 reads no images."""
@@ -24,15 +24,28 @@ def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, devi
     if not checkpoint.reads_images:
         return None
     from ..formats.weights import iter_vision_weights
-    from .config import read_image_config
+    from .config import Gemma3ImageConfig, read_image_config
     from .encoder import ImageEncoder
-    from .gemma3 import Gemma3Vision
 
     config = read_image_config(checkpoint)
     assert config is not None  # an image-text checkpoint
-    model = Gemma3Vision(config, checkpoint.spec.hidden_size)
+    model: torch.nn.Module
+    if isinstance(config, Gemma3ImageConfig):
+        from .gemma3 import Gemma3Vision
+
+        model = Gemma3Vision(config, checkpoint.spec.hidden_size)
+    else:
+        from .qwen_vl import QwenVisionTransformer
+
+        if config.out_hidden_size != checkpoint.spec.hidden_size:
+            from ..errors import LocalserveError
+
+            raise LocalserveError(f"config.json: the vision tower makes {config.out_hidden_size}-wide tokens for a "
+                                  f"text model {checkpoint.spec.hidden_size} wide")
+        model = QwenVisionTransformer(config)
     _load(model, iter_vision_weights(checkpoint), str(checkpoint.mmproj.path if checkpoint.mmproj else checkpoint.path))
-    return ImageEncoder(model.to(device=device, dtype=dtype).eval(), tokenizer, checkpoint.spec.vocab_size, device)
+    return ImageEncoder(model.to(device=device, dtype=dtype).eval(), tokenizer,  # type: ignore[arg-type]
+                        checkpoint.spec.vocab_size, device)
 
 
 def _load(model: torch.nn.Module, weights: object, where: str) -> None:

@@ -12,9 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import LocalserveError
 
+from .placement import ImageLayout
+
 if TYPE_CHECKING:
     from ..formats import Checkpoint
+    from .image_input import ImageInput
     from ..formats.gguf_file import GGUFFile
+    from .qwen_config import QwenVisionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,14 @@ class Gemma3ImageConfig:
             raise LocalserveError(f"{projector.path}: clip.vision.image_mean / image_std: {exc}") from None
         return made.checked(str(projector.path))
 
+    def layout(self) -> ImageLayout:
+        """``"\n\n<start_of_image>"``, the image tokens, ``"<end_of_image>\n\n"``."""
+        return ImageLayout(marker_id=self.boi_token_id, image_token_id=self.image_token_id, keep_marker=True,
+                           end_id=self.eoi_token_id, around="\n\n")
+
+    def tokens_for(self, image: ImageInput) -> int:
+        return self.tokens_per_image  # every image is resized to the tower's square
+
     def checked(self, where: str) -> Gemma3ImageConfig:
         side = math.isqrt(self.tokens_per_image)
         if side < 1 or side * side != self.tokens_per_image or self.vision.patches_per_side % side:
@@ -142,7 +154,7 @@ def _triple(value: Any) -> tuple[float, float, float]:
     return values[0], values[1], values[2]
 
 
-def read_image_config(checkpoint: Checkpoint) -> Gemma3ImageConfig | None:
+def read_image_config(checkpoint: Checkpoint) -> ImageConfig | None:
     """The image side of an image-text checkpoint (its config.json and, when present,
     preprocessor_config.json; or a GGUF model's projector file), or None for a text-only one."""
     if checkpoint.mmproj is not None:
@@ -157,4 +169,13 @@ def read_image_config(checkpoint: Checkpoint) -> Gemma3ImageConfig | None:
 
     preprocessor_path = checkpoint.path / "preprocessor_config.json"
     preprocessor = read_json_object(preprocessor_path) if preprocessor_path.is_file() else None
-    return Gemma3ImageConfig.from_hf(hf.read_config(checkpoint.path), preprocessor)
+    config = hf.read_config(checkpoint.path)
+    if config.get("model_type") == "qwen2_5_vl":
+        from .qwen_config import QwenVisionConfig
+
+        return QwenVisionConfig.from_hf(config, preprocessor)
+    return Gemma3ImageConfig.from_hf(config, preprocessor)
+
+
+if TYPE_CHECKING:
+    ImageConfig = Gemma3ImageConfig | QwenVisionConfig  # what read_image_config gives

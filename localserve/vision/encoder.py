@@ -13,13 +13,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..text.tokenizer import Tokenizer
-from .gemma3 import Gemma3Vision
 from .image_input import ImageInput, ImageLimits, check_image_count
 from .placement import ImagePlacement
+
+if TYPE_CHECKING:
+    from .gemma3 import Gemma3Vision
+    from .qwen_vl import QwenVisionTransformer
+
+    VisionModel = Gemma3Vision | QwenVisionTransformer  # each has config, bidirectional and encode_images
 
 # Encoded images kept for reuse (a chat resends its images every turn): their bytes at most.
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -41,10 +47,10 @@ class ImageSpan:
 
 
 class ImageEncoder:
-    def __init__(self, model: Gemma3Vision, tokenizer: Tokenizer | None, vocab_size: int, device: torch.device,
+    def __init__(self, model: VisionModel, tokenizer: Tokenizer | None, vocab_size: int, device: torch.device,
                  limits: ImageLimits = ImageLimits(), cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.model = model
-        self.placement = ImagePlacement(model.config, tokenizer)
+        self.placement = ImagePlacement(model.config.layout(), model.config.tokens_for, tokenizer)
         self.vocab_size = vocab_size
         self.device = device
         self.limits = limits
@@ -59,13 +65,27 @@ class ImageEncoder:
         """The prompt's token ids with each image's tokens in place (placement.py), and
         where each image's tokens are."""
         check_image_count(len(images), self.limits)
-        ids, starts = self.placement.place(prompt, len(images))
-        length = self.placement.tokens_per_image
-        if self.placement.config.image_token_id >= self.vocab_size:  # a placeholder past the table (some configs)
-            for start in starts:  # looks up token 0, as transformers does; its embeddings replace it anyway
-                ids[start:start + length] = [0] * length
-        return ids, [ImageSpan(start, length, image, self.model.bidirectional)
-                     for start, image in zip(starts, images)]
+        ids, starts = self.placement.place(prompt, images)
+        spans = [ImageSpan(start, self.placement.tokens_for(image), image, self.model.bidirectional)
+                 for start, image in zip(starts, images)]
+        return ids, spans
+
+    def prompt_ids(self, ids: list[int]) -> list[int]:
+        """The ids the model looks up: an image token past the embedding table (some
+        configs place it there) looks up token 0, as transformers does; the image's
+        embeddings replace it anyway."""
+        image_token = self.placement.layout.image_token_id
+        return [0 if token == image_token else token for token in ids] if image_token >= self.vocab_size else ids
+
+    def rope_positions(self, ids: list[int], spans: Sequence[ImageSpan]) -> tuple[torch.Tensor, int]:
+        """Qwen-VL's M-RoPE positions of a laid-out prompt (``[3, len(ids)]``) and the delta
+        of the positions past it over their index (vision/mrope.py)."""
+        from .mrope import mrope_positions
+
+        config = self.model.config
+        assert hasattr(config, "grid"), "M-RoPE positions for a model whose images have no grid"
+        return mrope_positions(ids, config.image_token_id, [config.grid(span.image) for span in spans],
+                               config.spatial_merge_size)
 
     # -- scheduling --------------------------------------------------------------------
 
@@ -101,9 +121,8 @@ class ImageEncoder:
         if not wanted:
             return
         images = [spans[0].image for spans in wanted.values()]
-        pixels = torch.stack([self.model.pixels(image) for image in images]).to(self.device)
         with torch.inference_mode():
-            encoded = self.model(pixels)
+            encoded = self.model.encode_images(images)
         self.num_encoded += len(images)
         for digest, rows in zip(wanted, encoded):
             rows = rows.clone()  # its own storage: the cache may keep it while it drops the batch's others

@@ -16,6 +16,7 @@ model's image tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -80,3 +81,8 @@ class Gemma3Vision(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.projector(self.tower(pixels))
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's tokens ``[tokens_per_image, text hidden]``, the images in one batch."""
+        device = self.projector.mm_input_projection_weight.device
+        return list(self(torch.stack([self.pixels(image) for image in images]).to(device)))

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LocalserveError
+from .placement import ImageLayout
+
+if TYPE_CHECKING:
+    from .image_input import ImageInput
 
 # Qwen2VLImageProcessor's defaults, for a checkpoint without preprocessor_config.json or
 # one that leaves a key out (CLIP's mean and std).
@@ -201,6 +205,22 @@ class QwenVisionConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def image_token_id(self) -> int:
+        return self.tokens.image_token_id
+
+    def layout(self) -> ImageLayout:
+        """The template's ``<|image_pad|>`` becomes one per merged patch of the image."""
+        return ImageLayout(marker_id=self.tokens.image_token_id, image_token_id=self.tokens.image_token_id,
+                           keep_marker=False)
+
+    def tokens_for(self, image: ImageInput) -> int:
+        return self.processing.tokens(image.height, image.width)
+
+    def grid(self, image: ImageInput) -> tuple[int, int, int]:
+        """The image's patch grid (frames, rows, columns), as its pixels will have it."""
+        return self.processing.grid(image.height, image.width)
 
     @property
     def window_merged_patches(self) -> int:

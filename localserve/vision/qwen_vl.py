@@ -313,8 +313,14 @@ class QwenVisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.depth))
         self.merger = _PatchMerger(config.hidden_size, config.spatial_merge_size, config.out_hidden_size)
 
+    bidirectional = False  # Qwen's text model reads an image's tokens causally, as any others
+
     def pixels(self, image: ImageInput | Image.Image) -> QwenPixels:
         return image_patches(image, self.config.processing)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's tokens ``[tokens, out_hidden_size]``, the images in one call."""
+        return self.encode([self.pixels(image) for image in images])
 
     def tokens_per_image(self, grid: Grid) -> int:
         frames, rows, columns = grid
