@@ -6,7 +6,7 @@ random weights, one 1024 x 768 JPEG, in the engine's CPU dtype (float32) unless 
     python benchmarks/image_encode.py --dtype bfloat16 --repeats 3
 
 This is the encoder's part of an image request's time to first token (the text prefill of
-its 256 tokens comes on top); the comparison with llama-server's waits for mmproj files.
+its 256 tokens comes on top); benchmarks/image_ttft.py measures whole image requests against llama-server.
 """
 
 from __future__ import annotations

@@ -56,6 +56,14 @@ import llama_server  # noqa: E402
 from servers import free_port, serving  # noqa: E402
 
 
+# A Gemma 3 style chat template (turns; an image part is <start_of_image>), for Gemma-3-4B's shape.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else 'user' }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' or p.type == 'image_url' %}<start_of_image>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
 @dataclass(frozen=True)
 class Shape:
     arch: str  # GGUF architecture
@@ -74,6 +82,7 @@ class Shape:
     sliding_window: int = 0  # Gemma 2: every other layer slides
     pooling: str = ""  # an embedding model's (gguf.PoolingType's name), its tokenizer appending EOS
     tied: bool = True  # the LM head is the embedding table (else an output.weight of its own)
+    chat_template: str = ""  # written to the file (the image benchmarks render chats with it)
 
 
 SHAPES = {
@@ -90,6 +99,10 @@ SHAPES = {
     # Gemma-2-2B: GeGLU, four norms a layer, soft caps 50/30, a 4,096 window on every other
     # layer, heads of 256, a 256,000-token vocabulary (tied).
     "gemma-2-2b": Shape("gemma2", 26, 2304, 8, 4, 9216, 256000, 10000.0, head_dim=256, sliding_window=4096),
+    # Gemma-3-4B's text model: q/k norms, four norms a layer, 5 sliding layers (window 1,024) to 1
+    # full, heads of 256, its 262,208-token vocabulary with the image tokens (benchmarks/image_ttft.py).
+    "gemma-3-4b": Shape("gemma3", 34, 2560, 8, 4, 10240, 262208, 1000000.0, head_dim=256, sliding_window=1024,
+                        chat_template=GEMMA3_TEMPLATE),
     # Qwen3-30B-A3B's layer (128 experts, 8 used, expert FFN 768, head_dim 128) at 12 layers
     # and hidden 1024 so its F16 source fits this machine's memory.
     "qwen3-moe-small": Shape("qwen3moe", 12, 1024, 16, 4, 0, 151936, 1000000.0, experts=128, experts_used=8,
@@ -141,10 +154,13 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(shape.rope_theta)
-    if shape.arch == "gemma2":
+    if shape.arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(shape.sliding_window)
+    if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(50.0)
         writer.add_final_logit_softcapping(30.0)
+    if shape.chat_template:
+        writer.add_chat_template(shape.chat_template)
     if shape.pooling:
         writer.add_pooling_type(gguf.PoolingType[shape.pooling])
         writer.add_add_eos_token(True)
@@ -156,10 +172,14 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
     # tokenizes back to the same ids, so servers fed text see the intended prompt lengths.
     characters = [chr(c) for c in range(0x4E00, 0x4E00 + shape.vocab + 2048) if not 0xD800 <= c < 0xE000]
     words = ["\u2581", *characters[: shape.vocab - 260]]
+    types = [1] * len(words)
+    if shape.arch == "gemma3":  # Gemma 3's turn and image tokens, control tokens as in its vocabulary
+        specials = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+        words[-len(specials):], types[-len(specials):] = specials, [3] * len(specials)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *words])
     writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(words))])
-    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * len(words)])
+    writer.add_token_types([2, 3, 3, *[6] * 256, *types])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
@@ -189,7 +209,7 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
         b = f"blk.{i}"
         vector(f"{b}.attn_norm.weight", shape.hidden, 1.0)
         vector(f"{b}.ffn_norm.weight", shape.hidden, 1.0)
-        if shape.arch == "gemma2":  # its norms after attention and after the MLP
+        if shape.arch in ("gemma2", "gemma3"):  # their norms after attention and after the MLP
             vector(f"{b}.post_attention_norm.weight", shape.hidden, 1.0)
             vector(f"{b}.post_ffw_norm.weight", shape.hidden, 1.0)
         add(f"{b}.attn_q.weight", q, shape.hidden)
@@ -200,7 +220,7 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
             vector(f"{b}.attn_q.bias", q)
             vector(f"{b}.attn_k.bias", kv)
             vector(f"{b}.attn_v.bias", kv)
-        if shape.arch in ("qwen3", "qwen3moe"):
+        if shape.arch in ("qwen3", "qwen3moe", "gemma3"):
             vector(f"{b}.attn_q_norm.weight", head_dim, 1.0)
             vector(f"{b}.attn_k_norm.weight", head_dim, 1.0)
         if shape.experts:

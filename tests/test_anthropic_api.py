@@ -379,7 +379,7 @@ def test_errors_come_in_anthropics_shape(claude: anthropic.Anthropic, server: Ru
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "stories does not read images"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-            "type": "url", "url": "https://example.com/a.png"}}]}]}, "not fetched: send it inline"),
+            "type": "file", "file_id": "f"}}]}]}, "not read: send it inline"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
          "document blocks are not supported"),
         ({"tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "not among the tools"),

@@ -363,6 +363,11 @@ def served_models(models: Sequence[str], projectors: Sequence[str]) -> dict[str,
 @click.option("--insecure-no-auth", is_flag=True, help="Allow a non-loopback --host without an API key.")
 @click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
               help="Allow browser requests from ORIGIN (e.g. http://localhost:3000). Repeatable; default none.")
+@click.option("--allow-image-urls", is_flag=True,
+              help="Fetch images that requests name by http(s) URL (public hosts only; 20 MiB, 10 s each).")
+@click.option("--image-url-host", "image_url_hosts", multiple=True, metavar="HOST",
+              help="Fetch image URLs from HOST only, whatever address it has (implies --allow-image-urls). "
+                   "Repeatable.")
 @click.option("--allow-pull-from", "allow_pull_from", multiple=True, metavar="DIR",
               type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Let HTTP clients pull (/api/pull, /api/create FROM) local files below DIR. Repeatable; default "
@@ -400,7 +405,8 @@ def served_models(models: Sequence[str], projectors: Sequence[str]) -> dict[str,
 def serve(config: Path | None, models: tuple[str, ...], projectors: tuple[str, ...], host: str, port: int,
           ollama_port: int | None,
           api_key: str | None,
-          insecure_no_auth: bool, cors_origins: tuple[str, ...], allow_pull_from: tuple[Path, ...], keep_alive: str,
+          insecure_no_auth: bool, cors_origins: tuple[str, ...], allow_image_urls: bool,
+          image_url_hosts: tuple[str, ...], allow_pull_from: tuple[Path, ...], keep_alive: str,
           max_loaded_models: int,
           max_queued_requests: int, max_body_size: int, header_timeout: float, body_timeout: float,
           max_connections: int, drain_timeout: float, tool_parser: str,
@@ -420,6 +426,7 @@ def serve(config: Path | None, models: tuple[str, ...], projectors: tuple[str, .
     from ..server.config import ServerConfig
     from ..server.model_manager import parse_keep_alive
     from ..server.serve import serve as run_server
+    from ..vision.image_fetch import ImageFetcher
 
     configure_logging(log_level)
     sources = served_models(models, projectors)
@@ -437,6 +444,7 @@ def serve(config: Path | None, models: tuple[str, ...], projectors: tuple[str, .
         engine=engine_config(options), device=device, dtype=dtype,
         host=host, port=port, ollama_port=ollama_port, api_key=api_key or None, cors_origins=list(cors_origins),
         allow_pull_from=[folder.resolve() for folder in allow_pull_from],
+        image_fetcher=ImageFetcher.allowing(image_url_hosts) if allow_image_urls or image_url_hosts else None,
         max_body_bytes=max_body_size, keep_alive=keep_alive_s, max_loaded_models=max_loaded_models,
         max_queued_requests=max_queued_requests, drain_timeout=drain_timeout, tool_parser=tool_parser,
         reasoning_parser=reasoning_parser, header_timeout=header_timeout, body_timeout=body_timeout,

@@ -22,7 +22,7 @@ from ..engine.outputs import RequestOutput
 from . import generation as gen
 from .anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from .model_manager import LoadedModel
-from .openai_api import ChatPrompt, EventFormat, acquire, generate
+from .openai_api import ChatPrompt, EventFormat, acquire, fetch_image_urls, generate
 from .state import state_of
 
 
@@ -38,6 +38,7 @@ ANTHROPIC_EVENTS = EventFormat(
 @router.post("/v1/messages")
 async def messages(request: Request, body: MessagesRequest) -> Response:
     chat = body.chat_request()
+    await fetch_image_urls(chat.messages, state_of(request).config)
     prompt = ChatPrompt(chat, state_of(request).config)
 
     def prompts(model: LoadedModel) -> list[list[int]]:
@@ -57,7 +58,9 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request, body: CountTokensRequest) -> dict[str, int]:
-    prompt = ChatPrompt(body.chat_request(), state_of(request).config)
+    chat = body.chat_request()
+    await fetch_image_urls(chat.messages, state_of(request).config)
+    prompt = ChatPrompt(chat, state_of(request).config)
     model = await acquire(request, body.model)
     try:
         return {"input_tokens": len(await asyncio.to_thread(prompt.ids, model))}

@@ -70,12 +70,15 @@ class ImageSource(_Strict):
     type: Literal["base64", "url", "file"]
     media_type: Annotated[str, Field(max_length=64)] | None = None
     data: ImageData | None = None
+    url: Annotated[str, Field(max_length=8192)] | None = None  # fetched where the daemon fetches images
 
     @model_validator(mode="after")
     def _inline(self) -> ImageSource:
-        if self.type != "base64":
-            raise ValueError(f"an image of source type {self.type} is not fetched: send it inline (base64)")
-        if self.media_type is None or self.data is None:
+        if self.type == "file":
+            raise ValueError("an image of source type file is not read: send it inline (base64)")
+        if self.type == "url" and self.url is None:
+            raise ValueError("a url image needs url")
+        if self.type == "base64" and (self.media_type is None or self.data is None):
             raise ValueError("a base64 image needs media_type and data")
         return self
 
@@ -86,6 +89,10 @@ class ImageBlock(_Strict):
     cache_control: Ignored = None
 
     def data_url(self) -> str:
+        """A data URL, or a url source's URL (fetched, or refused, as an image_url's is)."""
+        if self.source.type == "url":
+            assert self.source.url is not None
+            return self.source.url
         return f"data:{self.source.media_type};base64,{self.source.data}"
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..engine.config import EngineConfig
 from ..errors import LocalserveError
+from ..vision.image_fetch import ImageFetcher
 
 DEFAULT_KEEP_ALIVE_S = 300.0
 MAX_CLIENT_TIMEOUT_S = 3600.0  # waiting longer for a client's bytes defends against nothing
@@ -45,6 +46,9 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # <think> blocks: "auto" (from the template), "think" or "none"
     # Each model's engine in a process of its own (engine_process/), not on a thread of the daemon's.
     engine_processes: bool = False
+    # Fetches image_url parts (and Anthropic url sources) named by http(s) URLs; None: refused
+    # (--allow-image-urls, --image-url-host).
+    image_fetcher: ImageFetcher | None = None
 
     def __post_init__(self) -> None:
         for value, option in ((self.header_timeout, "--header-timeout"), (self.body_timeout, "--body-timeout")):

@@ -33,8 +33,8 @@ from ..chat.reply import ReplyFormat
 from . import generation as gen
 from .config import ServerConfig
 from .model_manager import LoadedModel, parse_keep_alive
-from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, NamedToolChoice,
-                       TokenizeRequest)
+from .protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, ImageURLPart,
+                       NamedToolChoice, TokenizeRequest)
 from .state import state_of
 
 router = APIRouter()
@@ -138,8 +138,22 @@ class ChatPrompt:
         return [self.ids(model)]
 
 
+async def fetch_image_urls(messages: list[ChatMessage], config: ServerConfig) -> None:
+    """The messages' http(s) image URLs replaced by the images, fetched, when the operator
+    allows it (vision/image_fetch.py); otherwise left for the image path to refuse."""
+    if config.image_fetcher is None:
+        return
+    parts = [part for message in messages if isinstance(message.content, list) for part in message.content
+             if isinstance(part, ImageURLPart) and part.image_url.url.lstrip()[:8].lower().startswith(("http://",
+                                                                                                       "https://"))]
+    fetched = await asyncio.gather(*(config.image_fetcher.data_url(part.image_url.url.strip()) for part in parts))
+    for part, url in zip(parts, fetched):
+        part.image_url.url = url
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    await fetch_image_urls(body.messages, state_of(request).config)
     prompt = ChatPrompt(body, state_of(request).config)
     return await generate(request, body, prompt.prompts,
                           lambda model, choices: _ChatShaper(model, body, choices, prompt.reply_format),
@@ -487,6 +501,7 @@ async def tokenize(request: Request, body: TokenizeRequest) -> dict[str, Any]:
     model = await acquire(request, body.model)
     try:
         if body.messages is not None:
+            await fetch_image_urls(body.messages, state_of(request).config)
             text, _ = await asyncio.to_thread(_render_chat, model, body.messages, body.add_generation_prompt)
             tokens = model.encode(text, add_special_tokens=False)  # an image's tokens counted as the model reads them
         else:

@@ -199,7 +199,7 @@ ImageData = Annotated[str, Field(max_length=1 << 30)]
 
 
 class ImageURL(_Strict):
-    url: ImageData  # a data: URL (image URLs are not fetched)
+    url: ImageData  # a data: URL; an http(s) one only where the daemon fetches them (--allow-image-urls)
     detail: Literal["auto", "low", "high"] | None = None  # accepted; each model sees images at its own size
 
 

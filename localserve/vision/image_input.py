@@ -94,7 +94,8 @@ def image_from_data_url(url: str, limits: ImageLimits = ImageLimits()) -> ImageI
     scheme, colon, rest = url.partition(":")
     scheme = scheme.lower()
     if colon and scheme in ("http", "https"):
-        raise LocalserveError(f"image URLs are not fetched: send the image inline as a data: URL ({_DATA_URL_SHAPE})")
+        raise LocalserveError(f"image URLs are not fetched: send the image inline as a data: URL ({_DATA_URL_SHAPE}), "
+                              "or start the daemon with --allow-image-urls")
     if not colon or scheme != "data":
         raise LocalserveError(f"the image must be a data: URL ({_DATA_URL_SHAPE}); image URLs and file paths "
                               "are not fetched")

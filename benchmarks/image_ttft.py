@@ -1,0 +1,228 @@
+"""Image requests against llama-server on the same files: a GGUF model and llama.cpp's
+vision projector (mmproj), random weights at Gemma-3-4B's shape.
+
+    python benchmarks/llama_server.py                 # once: build llama-server (~20 min)
+    python benchmarks/image_ttft.py                   # one image, then 8 clients
+    python benchmarks/image_ttft.py --workloads one --repeats 3
+
+Files: the text model (benchmarks/real_shapes.py's ``gemma-3-4b``, Q4_K_M by llama.cpp's
+quantizer) and an F16 projector at Gemma-3-4B's image side (SigLIP so400m at 896 px: 27
+layers 1,152 wide, 256 tokens per image projected to 2,560), both cached in
+``$LOCALSERVE_BENCH_CACHE``.
+
+Workloads (each server started in turn, with the same thread count; the request is a chat
+with one 1024 x 768 JPEG and a short question, streamed, 8 tokens out):
+
+* ``one``: one request at a time, each with an image of its own (no encoder cache helps);
+  time to the first token, which is the image's encoding plus the prompt's prefill.
+* ``8``: 8 clients at once, each sending its own image; requests per minute (and the median
+  time to first token).
+
+localserve: ``serve --model bench=MODEL --mmproj bench=MMPROJ``; llama-server: ``-m MODEL
+--mmproj MMPROJ -np N -c N*ctx``. With --repeats R the systems are interleaved R times and the
+report gives medians with the spread; the ratio is localserve's over llama.cpp's (above 1:
+localserve is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_server  # noqa: E402
+from host_facts import cpu_summary  # noqa: E402
+from real_shapes import SHAPES, kv_bytes_per_token, model_path  # noqa: E402
+from servers import free_port, serving  # noqa: E402
+
+# Gemma-3-4B's vision_config (its config.json) and its text model's width.
+VISION = {"hidden": 1152, "ffn": 4304, "layers": 27, "heads": 16, "image_size": 896, "patch": 14}
+TEXT_HIDDEN = 2560
+QUESTION = "Describe this image in one sentence."
+OUTPUT_TOKENS = 8
+CONTEXT = 512  # per request: 256 image tokens, the question and the answer
+
+
+def projector_path() -> Path:
+    """Random F16 weights at Gemma-3-4B's image side, written as llama.cpp's converter
+    writes an mmproj file (patch and position embeddings in F32, the input projection F16)."""
+    import gguf
+
+    target = llama_server.cache_dir() / "models" / "gemma-3-4b-mmproj-F16.gguf"
+    if target.exists():
+        return target
+    print(f"writing {target.name} (random weights)", flush=True)
+    rng = np.random.default_rng(1)
+    hidden, ffn = VISION["hidden"], VISION["ffn"]
+    writer = gguf.GGUFWriter(str(target.with_suffix(".partial")), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(TEXT_HIDDEN)
+    writer.add_vision_image_size(VISION["image_size"])
+    writer.add_vision_patch_size(VISION["patch"])
+    writer.add_vision_embedding_length(hidden)
+    writer.add_vision_feed_forward_length(ffn)
+    writer.add_vision_block_count(VISION["layers"])
+    writer.add_vision_head_count(VISION["heads"])
+    writer.add_vision_image_mean([0.5, 0.5, 0.5])
+    writer.add_vision_image_std([0.5, 0.5, 0.5])
+    writer.add_vision_attention_layernorm_eps(1e-6)
+    writer.add_vision_use_gelu(True)
+
+    def matrix(*shape: int, dtype: type = np.float16) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * shape[-1] ** -0.5).astype(dtype)
+
+    def vector(size: int, value: float | None = None) -> np.ndarray:
+        return np.full(size, value, np.float32) if value is not None else rng.standard_normal(size, np.float32) * 0.02
+
+    patches = (VISION["image_size"] // VISION["patch"]) ** 2
+    writer.add_tensor("v.patch_embd.weight", matrix(hidden, 3, VISION["patch"], VISION["patch"], dtype=np.float32))
+    writer.add_tensor("v.patch_embd.bias", vector(hidden))
+    writer.add_tensor("v.position_embd.weight", matrix(patches, hidden, dtype=np.float32))
+    for layer in range(VISION["layers"]):
+        block = f"v.blk.{layer}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{block}.{name}.weight", matrix(hidden, hidden))
+            writer.add_tensor(f"{block}.{name}.bias", vector(hidden))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{block}.{name}.weight", vector(hidden, 1.0))
+            writer.add_tensor(f"{block}.{name}.bias", vector(hidden))
+        writer.add_tensor(f"{block}.ffn_up.weight", matrix(ffn, hidden))
+        writer.add_tensor(f"{block}.ffn_up.bias", vector(ffn))
+        writer.add_tensor(f"{block}.ffn_down.weight", matrix(hidden, ffn))
+        writer.add_tensor(f"{block}.ffn_down.bias", vector(hidden))
+    writer.add_tensor("v.post_ln.weight", vector(hidden, 1.0))
+    writer.add_tensor("v.post_ln.bias", vector(hidden))
+    writer.add_tensor("mm.input_projection.weight", matrix(hidden, TEXT_HIDDEN))  # [vision, text], as HF's
+    writer.add_tensor("mm.soft_emb_norm.weight", vector(hidden, 1.0))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target.with_suffix(".partial").replace(target)
+    return target
+
+
+def jpeg(seed: int) -> str:
+    """A 1024 x 768 photo-like JPEG (smooth gradients and noise) as a data URL."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:768, 0:1024]
+    base = np.stack([(x * rng.uniform(0.1, 0.3)) % 256, (y * rng.uniform(0.1, 0.3)) % 256,
+                     ((x + y) * rng.uniform(0.05, 0.2)) % 256], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def request_ttft(url: str, image: str) -> tuple[float, float]:
+    """(time to the first token, time to the last) of one streamed chat with ``image``."""
+    body = {"model": "bench", "stream": True, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                                      {"type": "text", "text": QUESTION}]}]}
+    start = time.perf_counter()
+    first = None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800,
+                      headers={"Authorization": "Bearer bench"}) as response:
+        if response.status_code != 200:
+            raise SystemExit(f"HTTP {response.status_code}: {response.read()[:500]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0].get("delta", {})
+            if first is None and delta.get("content"):
+                first = time.perf_counter() - start
+    return (first if first is not None else float("nan")), time.perf_counter() - start
+
+
+def server_command(system: str, model: Path, projector: Path, port: int, threads: int, clients: int) -> list[str]:
+    if system == "localserve":
+        return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={model}", "--mmproj",
+                f"bench={projector}", "--device", "cpu", "--port", str(port), "--log-level", "warning",
+                "--max-num-seqs", str(clients), "--max-model-len", str(CONTEXT),
+                "--kv-cache-memory", str(clients * CONTEXT * kv_bytes_per_token(model)), "--threads", str(threads),
+                "--insecure-no-auth"]
+    binary = llama_server.binary()
+    if binary is None:
+        raise SystemExit("llama-server is not built: run python benchmarks/llama_server.py first")
+    return [str(binary), "-m", str(model), "--mmproj", str(projector), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(threads), "-tb", str(threads), "-np", str(clients), "-c", str(clients * CONTEXT), "-fa", "on",
+            "--no-webui", "-a", "bench", "--no-mmproj-offload"]
+
+
+def measure(system: str, workload: str, model: Path, projector: Path, threads: int, seed: int,
+            workdir: Path) -> dict[str, float]:
+    clients = 1 if workload == "one" else int(workload)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ready = url + ("/health" if system == "localserve" else "/v1/models")
+    with serving(server_command(system, model, projector, port, threads, clients), ready, threads,
+                 workdir / f"{system}.log"):
+        request_ttft(url, jpeg(10_000 + seed))  # warm-up: first-use set-up, not counted
+        if workload == "one":
+            first, _ = request_ttft(url, jpeg(seed))
+            return {"ttft_s": first}
+        results: list[tuple[float, float]] = []
+        start = time.perf_counter()
+        threads_ = [threading.Thread(target=lambda i=i: results.append(request_ttft(url, jpeg(seed * 100 + i))))
+                    for i in range(clients)]
+        for thread in threads_:
+            thread.start()
+        for thread in threads_:
+            thread.join()
+        wall = time.perf_counter() - start
+        return {"requests_per_min": 60 * clients / wall, "median_ttft_s": statistics.median(r[0] for r in results),
+                "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=["one", "8"], choices=["one", "8"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--systems", nargs="+", default=["localserve", "llama.cpp"])
+    args = parser.parse_args()
+    print(cpu_summary())
+    assert SHAPES["gemma-3-4b"].chat_template
+    model, projector = model_path("gemma-3-4b", "Q4_K_M"), projector_path()
+    print(f"model {model.name} ({model.stat().st_size / 2**30:.2f} GiB), projector {projector.name} "
+          f"({projector.stat().st_size / 2**30:.2f} GiB), {args.threads} threads")
+    with tempfile.TemporaryDirectory() as folder:
+        for workload in args.workloads:
+            figures: dict[str, list[dict[str, float]]] = {system: [] for system in args.systems}
+            for repeat in range(args.repeats):
+                for system in args.systems:
+                    result = measure(system, workload, model, projector, args.threads, repeat, Path(folder))
+                    figures[system].append(result)
+                    print(f"  {workload} {system} #{repeat + 1}: "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in result.items()), flush=True)
+            key = "ttft_s" if workload == "one" else "requests_per_min"
+            medians = {system: statistics.median(r[key] for r in runs) for system, runs in figures.items()}
+            spread = {system: (min(r[key] for r in runs), max(r[key] for r in runs)) for system, runs in figures.items()}
+            line = ", ".join(f"{system} {medians[system]:.2f} ({spread[system][0]:.2f}-{spread[system][1]:.2f})"
+                             for system in args.systems)
+            if {"localserve", "llama.cpp"} <= set(medians):
+                ratio = (medians["llama.cpp"] / medians["localserve"] if workload == "one"
+                         else medians["localserve"] / medians["llama.cpp"])
+                line += f"; localserve over llama.cpp {ratio:.2f}x"
+            print(f"{workload}: {key} {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
