@@ -164,22 +164,30 @@ class LlamaForCausalLM(nn.Module):
         embeds_at: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[tokens, hidden]`` for a flat batch; writes this step's K/V.
-        ``embeds_at`` (rows, embeddings): input embeddings that replace those rows' token
-        embeddings (an image's tokens, from its encoder; the text scale is not applied)."""
+        ``embeds_at`` (rows, ``[rows, parts, hidden]``): part 0 replaces those rows' token
+        embeddings (an image's tokens, from its encoder; the text scale is not applied);
+        part i > 0 is added to their hidden states after layer i - 1 (Qwen3-VL's deepstack)."""
         x = self.embed.lookup(input_ids, self.dtype)
         if self.embedding_scale != 1.0:
             x = x * self.embedding_scale
+        added: torch.Tensor | None = None  # [parts - 1, rows, hidden]: what each early layer's output gets
         if embeds_at is not None:
-            x[embeds_at[0]] = embeds_at[1].to(x.dtype)
+            rows, parts = embeds_at
+            x[rows] = parts[:, 0].to(x.dtype)
+            added = parts[:, 1:].transpose(0, 1).to(x.dtype) if parts.shape[1] > 1 else None
         ropes = [self.rotary.lookup(positions, x.dtype)]
         if self.local_rotary is not None:
             ropes.append(self.local_rotary.lookup(positions, x.dtype))
-        # The C++ stack's attention is causal only: a step with tokens that see ahead runs the modules.
-        stack = self._cpu_stack(kv_caches) if use_cpu_kernels(x) and not meta.bidirectional else None
+        # The C++ stack's attention is causal only and runs its layers in one go: a step with
+        # tokens that see ahead, or with features to add between layers, runs the modules.
+        stack = (self._cpu_stack(kv_caches) if use_cpu_kernels(x) and not meta.bidirectional and added is None
+                 else None)
         if stack is not None:
             return stack.run(x, ropes, meta)  # the final norm included
-        for layer, cache in zip(self.layers, kv_caches):
+        for index, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, ropes[layer.attn.rope_index], cache, meta)
+            if added is not None and index < len(added):
+                x[embeds_at[0]] += added[index]  # type: ignore[index]
         return self.norm(x)
 
     def _cpu_stack(self, kv_caches: list[KVCache]) -> DecoderStack | None:

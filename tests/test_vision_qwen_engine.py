@@ -1,6 +1,9 @@
-"""Qwen2.5-VL end to end in the engine, against transformers' Qwen2_5_VLForConditionalGeneration
-on a tiny random checkpoint saved by transformers (a tokenizer with Qwen's special tokens, a
-chat template that writes ``<|vision_start|><|image_pad|><|vision_end|>`` for an image).
+"""Qwen2.5-VL and Qwen3-VL end to end in the engine, against transformers'
+Qwen2_5_VLForConditionalGeneration and Qwen3VLForConditionalGeneration on tiny random
+checkpoints saved by transformers (a tokenizer with Qwen's special tokens, a chat template
+that writes ``<|vision_start|><|image_pad|><|vision_end|>`` for an image). Qwen3-VL's text
+model turns by interleaved M-RoPE and takes its tower's deepstack features after its first
+layers.
 
 The reference's inputs are made independently of localserve: pixel values and grids by
 transformers' Qwen2VLImageProcessorPil, and each ``<|image_pad|>`` of the prompt repeated
@@ -45,7 +48,23 @@ TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _config() -> dict:
+def _config(family: str) -> dict:
+    if family == "qwen3-vl":
+        return {
+            "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+            "text_config": {"model_type": "qwen3_vl_text", "vocab_size": VOCAB, "hidden_size": 64,
+                            "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+                            "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+                            "tie_word_embeddings": False, "bos_token_id": IM_START, "eos_token_id": IM_END,
+                            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                             "mrope_interleaved": True}},
+            "vision_config": {"model_type": "qwen3_vl_vision", "depth": 3, "hidden_size": 32, "intermediate_size": 64,
+                              "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                              "out_hidden_size": 64, "num_position_embeddings": 36,
+                              "deepstack_visual_indexes": [0, 1]},
+            "image_token_id": IMAGE_PAD, "video_token_id": VIDEO_PAD, "vision_start_token_id": VISION_START,
+            "vision_end_token_id": VISION_END, "eos_token_id": IM_END, "torch_dtype": "float32",
+        }
     return {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
         "text_config": {"model_type": "qwen2_5_vl_text", "vocab_size": VOCAB, "hidden_size": 64,
@@ -61,26 +80,29 @@ def _config() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """The folder, transformers' model of it and its image processor."""
-    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The folder, transformers' model of it and its image processor (Qwen3-VL's with
+    16-pixel patches and a mean and std of 0.5, as released)."""
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from .conftest import reinitialise
 
-    folder = tmp_path_factory.mktemp("qwen25vl")
-    (folder / "config.json").write_text(json.dumps(_config()))
-    model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(folder))
+    family = request.param
+    model_class = Qwen3VLForConditionalGeneration if family == "qwen3-vl" else Qwen2_5_VLForConditionalGeneration
+    folder = tmp_path_factory.mktemp(family)
+    (folder / "config.json").write_text(json.dumps(_config(family)))
+    model = model_class(AutoConfig.from_pretrained(folder))
     reinitialise(model, seed=5)
     model.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(folder)
+    processing = {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3-vl" else {}
+    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **processing).save_pretrained(folder)
     build_tokenizer(SPECIAL, VOCAB, unk="<|endoftext|>").save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "unk_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 1024}))
-    reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
-                                                                    attn_implementation="eager").eval()
+    reference = model_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     return folder, reference, Qwen2VLImageProcessorPil.from_pretrained(folder)
 
 
@@ -171,15 +193,18 @@ def test_positions_after_an_image_and_the_prefix_cache(checkpoint) -> None:  # t
     engine.add_request(_prompt(1), SamplingParams(max_tokens=1), images=[image_from_bytes(picture)])
     request = next(iter(engine.requests.values()))
     span = request.images[0]
-    # The 200 x 60 strip: resized to 196 x 56, 14 x 4 patches, 7 x 2 merged: 14 tokens.
-    assert span.length == 14
+    # The 200 x 60 strip: each side rounded to whole merged patches (28 px for Qwen2.5-VL's
+    # 14 px patches, 32 for Qwen3-VL's 16): 7 x 2 or 6 x 2 of them.
+    factor = 32 if "qwen3" in checkpoint[0].name else 28
+    columns, rows = round(200 / factor), round(60 / factor)
+    assert span.length == rows * columns
     positions = request.mrope_positions
     assert positions is not None
     assert positions[:, span.start].tolist() == [span.start] * 3
-    assert positions[:, span.end - 1].tolist() == [span.start, span.start + 1, span.start + 6]
-    # The text after the image goes on from the image's start plus its longer side (7), not its 14 tokens.
-    assert positions[:, span.end].tolist() == [span.start + 7] * 3
-    assert request.position_delta == 7 - 14
+    assert positions[:, span.end - 1].tolist() == [span.start, span.start + rows - 1, span.start + columns - 1]
+    # The text after the image goes on from the image's start plus its longer side, not its token count.
+    assert positions[:, span.end].tolist() == [span.start + max(rows, columns)] * 3
+    assert request.position_delta == max(rows, columns) - rows * columns
     while engine.has_unfinished_requests():
         engine.step()
     # The same prompt with another image must not take the first one's cached K/V; with the

@@ -116,9 +116,10 @@ def _images(checkpoint: Checkpoint) -> str:
         return f"not readable: {exc}"
     assert config is not None  # an image-text checkpoint
     read = "read (OpenAI image_url, Ollama images, Anthropic image blocks): "
-    if not isinstance(config, Gemma3ImageConfig):  # Qwen2.5-VL
+    if not isinstance(config, Gemma3ImageConfig):  # Qwen2.5-VL, Qwen3-VL
         processing = config.processing
-        return (f"{read}a {config.depth}-layer Qwen2.5-VL tower at the image's own size ({processing.min_pixels:,} "
+        family = "Qwen2.5-VL" if hasattr(config, "window_size") else "Qwen3-VL"
+        return (f"{read}a {config.depth}-layer {family} tower at the image's own size ({processing.min_pixels:,} "
                 f"to {processing.max_pixels:,} pixels), a token per {processing.factor} x {processing.factor} pixels")
     tower = config.vision
     return (f"{read}a {tower.num_layers}-layer SigLIP "

@@ -44,6 +44,8 @@ IMAGE_TEXT_MODELS = {
     "gemma3": ImageTextModel("gemma3_text", _GEMMA3_TEXT_DEFAULTS),
     # Qwen2.5-VL's text model is Qwen2's, its rotary turned by three positions (M-RoPE).
     "qwen2_5_vl": ImageTextModel("qwen2", nested_types=("qwen2_5_vl_text",), flat=True),
+    # Qwen3-VL's is Qwen3's, its M-RoPE interleaved.
+    "qwen3_vl": ImageTextModel("qwen3", nested_types=("qwen3_vl_text",)),
 }
 
 # Where the language model's tensors live -> the text-only checkpoint's names.

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, device: torch.device,
                        dtype: torch.dtype) -> ImageEncoder | None:
     """The image encoder of an image-text checkpoint (Gemma 3's vision tower and projector,
-    read from its shards or a GGUF model's projector file), on ``device`` in ``dtype``;
-    None for a text-only one."""
+    read from its shards or a GGUF model's projector file; Qwen2.5-VL's tower), on
+    ``device`` in ``dtype``; None for a text-only one."""
     if not checkpoint.reads_images:
         return None
     from ..formats.weights import iter_vision_weights
@@ -35,6 +35,8 @@ def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, devi
 
         model = Gemma3Vision(config, checkpoint.spec.hidden_size)
     else:
+        from .qwen3_vl import Qwen3VisionTransformer
+        from .qwen_config import Qwen3VisionConfig
         from .qwen_vl import QwenVisionTransformer
 
         if config.out_hidden_size != checkpoint.spec.hidden_size:
@@ -42,7 +44,8 @@ def load_image_encoder(checkpoint: Checkpoint, tokenizer: Tokenizer | None, devi
 
             raise LocalserveError(f"config.json: the vision tower makes {config.out_hidden_size}-wide tokens for a "
                                   f"text model {checkpoint.spec.hidden_size} wide")
-        model = QwenVisionTransformer(config)
+        model = Qwen3VisionTransformer(config) if isinstance(config, Qwen3VisionConfig) else \
+            QwenVisionTransformer(config)
     _load(model, iter_vision_weights(checkpoint), str(checkpoint.mmproj.path if checkpoint.mmproj else checkpoint.path))
     return ImageEncoder(model.to(device=device, dtype=dtype).eval(), tokenizer,  # type: ignore[arg-type]
                         checkpoint.spec.vocab_size, device)

@@ -16,9 +16,9 @@ from .placement import ImageLayout
 
 if TYPE_CHECKING:
     from ..formats import Checkpoint
-    from .image_input import ImageInput
     from ..formats.gguf_file import GGUFFile
-    from .qwen_config import QwenVisionConfig
+    from .image_input import ImageInput
+    from .qwen_config import Qwen3VisionConfig, QwenVisionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +174,12 @@ def read_image_config(checkpoint: Checkpoint) -> ImageConfig | None:
         from .qwen_config import QwenVisionConfig
 
         return QwenVisionConfig.from_hf(config, preprocessor)
+    if config.get("model_type") == "qwen3_vl":
+        from .qwen_config import Qwen3VisionConfig
+
+        return Qwen3VisionConfig.from_hf(config, preprocessor)
     return Gemma3ImageConfig.from_hf(config, preprocessor)
 
 
 if TYPE_CHECKING:
-    ImageConfig = Gemma3ImageConfig | QwenVisionConfig  # what read_image_config gives
+    ImageConfig = Gemma3ImageConfig | QwenVisionConfig | Qwen3VisionConfig  # what read_image_config gives

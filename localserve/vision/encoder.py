@@ -23,9 +23,11 @@ from .placement import ImagePlacement
 
 if TYPE_CHECKING:
     from .gemma3 import Gemma3Vision
+    from .qwen3_vl import Qwen3VisionTransformer
     from .qwen_vl import QwenVisionTransformer
 
-    VisionModel = Gemma3Vision | QwenVisionTransformer  # each has config, bidirectional and encode_images
+    # Each has config, bidirectional and encode_images.
+    VisionModel = Gemma3Vision | QwenVisionTransformer | Qwen3VisionTransformer
 
 # Encoded images kept for reuse (a chat resends its images every turn): their bytes at most.
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -39,7 +41,10 @@ class ImageSpan:
     length: int
     image: ImageInput
     bidirectional: bool  # its tokens see each other (Gemma 3): one prefill chunk must hold them all
-    embeds: torch.Tensor | None = None  # [length, text hidden] while the prefill needs them
+    # [length, parts, text hidden] while the prefill needs them: part 0 replaces the image
+    # tokens' embeddings; part i > 0 is added to their hidden states after the text model's
+    # layer i - 1 (Qwen3-VL's deepstack features).
+    embeds: torch.Tensor | None = None
 
     @property
     def end(self) -> int:

@@ -83,6 +83,7 @@ class Gemma3Vision(nn.Module):
         return self.projector(self.tower(pixels))
 
     def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Each image's tokens ``[tokens_per_image, text hidden]``, the images in one batch."""
+        """Each image's tokens ``[tokens_per_image, 1, text hidden]`` (one part: see
+        ImageSpan), the images in one batch."""
         device = self.projector.mm_input_projection_weight.device
-        return list(self(torch.stack([self.pixels(image) for image in images]).to(device)))
+        return [tokens.unsqueeze(1) for tokens in self(torch.stack([self.pixels(image) for image in images]).to(device))]

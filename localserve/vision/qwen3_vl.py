@@ -114,8 +114,16 @@ class Qwen3VisionTransformer(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             _PatchMerger(config, norm_after_joining=True) for _ in config.deepstack_visual_indexes)
 
+    bidirectional = False  # Qwen's text model reads an image's tokens causally, as any others
+
     def pixels(self, image: ImageInput | Image.Image) -> QwenPixels:
         return image_patches(image, self.config.processing)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's ``[tokens, 1 + deepstack blocks, out_hidden_size]``: its tokens, then
+        what is added after each of the text model's first layers (see ImageSpan)."""
+        return [torch.stack((out.tokens, *out.deepstack), dim=1)
+                for out in self.encode([self.pixels(image) for image in images])]
 
     def tokens_per_image(self, grid: Grid) -> int:
         frames, rows, columns = grid

@@ -150,8 +150,32 @@ class QwenImageTokens:
                    vision_end_token_id=read.positive_int("vision_end_token_id", minimum=0))
 
 
+class _QwenImages:
+    """Where a Qwen-VL family's images go and how many tokens each makes (both families'
+    configs have ``processing``, ``tokens`` and ``spatial_merge_size``)."""
+
+    processing: QwenImageProcessing
+    tokens: QwenImageTokens
+
+    @property
+    def image_token_id(self) -> int:
+        return self.tokens.image_token_id
+
+    def layout(self) -> ImageLayout:
+        """The template's ``<|image_pad|>`` becomes one per merged patch of the image."""
+        return ImageLayout(marker_id=self.tokens.image_token_id, image_token_id=self.tokens.image_token_id,
+                           keep_marker=False)
+
+    def tokens_for(self, image: ImageInput) -> int:
+        return self.processing.tokens(image.height, image.width)
+
+    def grid(self, image: ImageInput) -> tuple[int, int, int]:
+        """The image's patch grid (frames, rows, columns), as its pixels will have it."""
+        return self.processing.grid(image.height, image.width)
+
+
 @dataclass(frozen=True, slots=True)
-class QwenVisionConfig:
+class QwenVisionConfig(_QwenImages):
     """Qwen2.5-VL's image side (Qwen2_5_VLForConditionalGeneration): the tower, the
     processor and the image tokens."""
 
@@ -207,22 +231,6 @@ class QwenVisionConfig:
         return self.hidden_size // self.num_heads
 
     @property
-    def image_token_id(self) -> int:
-        return self.tokens.image_token_id
-
-    def layout(self) -> ImageLayout:
-        """The template's ``<|image_pad|>`` becomes one per merged patch of the image."""
-        return ImageLayout(marker_id=self.tokens.image_token_id, image_token_id=self.tokens.image_token_id,
-                           keep_marker=False)
-
-    def tokens_for(self, image: ImageInput) -> int:
-        return self.processing.tokens(image.height, image.width)
-
-    def grid(self, image: ImageInput) -> tuple[int, int, int]:
-        """The image's patch grid (frames, rows, columns), as its pixels will have it."""
-        return self.processing.grid(image.height, image.width)
-
-    @property
     def window_merged_patches(self) -> int:
         """A window's side, in merged patches."""
         return self.window_size // self.patch_size // self.spatial_merge_size
@@ -234,7 +242,7 @@ class QwenVisionConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(_QwenImages):
     """Qwen3-VL's image side (Qwen3VLForConditionalGeneration): a tower with learned
     positions and no windows, whose ``deepstack_visual_indexes`` blocks also feed the text
     model's first layers; the same processor and image tokens as Qwen2.5-VL."""

@@ -319,8 +319,9 @@ class QwenVisionTransformer(nn.Module):
         return image_patches(image, self.config.processing)
 
     def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Each image's tokens ``[tokens, out_hidden_size]``, the images in one call."""
-        return self.encode([self.pixels(image) for image in images])
+        """Each image's tokens ``[tokens, 1, out_hidden_size]`` (one part: see ImageSpan),
+        the images in one call."""
+        return [tokens.unsqueeze(1) for tokens in self.encode([self.pixels(image) for image in images])]
 
     def tokens_per_image(self, grid: Grid) -> int:
         frames, rows, columns = grid
