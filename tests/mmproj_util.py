@@ -238,3 +238,104 @@ def llama_cpp_generate(model: Path, projector: Path, text: str, images: list[byt
             mtmd.mtmd_bitmap_free(bitmap)
         mtmd.mtmd_free(context)
         llm.close()
+
+
+# -- Qwen2.5-VL: a qwen2vl text model and a qwen2.5vl_merger projector ------------------------------------------
+
+def _gpt2_vocabulary(writer, special_tokens: dict[int, str], size: int) -> None:  # type: ignore[no-untyped-def]
+    """The tiny tokenizer's vocabulary as a GGUF ``gpt2`` one (byte-level pieces)."""
+    import gguf
+
+    vocab, merges = _vocabulary(special_tokens, size)
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([piece if vocab[piece] in special_tokens else _encoded(piece) for piece in pieces])
+    writer.add_token_types([gguf.TokenType.CONTROL if vocab[piece] in special_tokens else gguf.TokenType.NORMAL
+                            for piece in pieces])
+    writer.add_token_merges([f"{_encoded(left)} {_encoded(right)}" for left, right in merges])
+
+
+def write_qwen25vl_pair(hf_folder: Path, target: Path, special_tokens: dict[int, str], size: int,
+                        template: str, eos: int) -> Path:
+    """The tiny Qwen2.5-VL checkpoint as llama.cpp's converter writes it: the text model as
+    arch ``qwen2vl`` (Qwen2's tensors, ``rope.dimension_sections``) and the tower as a
+    ``qwen2.5vl_merger`` projector (q/k/v split from the fused projection, the Conv3d's two
+    frames as two kernels, every ``n_wa_pattern``-th block attending across the image)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from .gguf_writers import gguf_name
+
+    target.mkdir(parents=True)
+    config = json.loads((hf_folder / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    tensors = load_file(hf_folder / "model.safetensors")
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    writer = gguf.GGUFWriter(str(target / "tiny-qwen25vl.gguf"), "qwen2vl")
+    writer.add_context_length(text["max_position_embeddings"])
+    writer.add_embedding_length(text["hidden_size"])
+    writer.add_block_count(text["num_hidden_layers"])
+    writer.add_feed_forward_length(text["intermediate_size"])
+    writer.add_head_count(text["num_attention_heads"])
+    writer.add_head_count_kv(text["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(text.get("rms_norm_eps", 1e-6))
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", text.get("rope_theta", 10000.0))))
+    writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    _gpt2_vocabulary(writer, special_tokens, size)
+    writer.add_eos_token_id(eos)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(template)
+    for name, tensor in tensors.items():
+        for prefix in ("model.language_model.", "model."):
+            if name.startswith(prefix) and not name.startswith("model.visual."):
+                name = "model." + name.removeprefix(prefix)
+                break
+        else:
+            if not name.startswith("lm_head."):
+                continue
+        writer.add_tensor(gguf_name(name, "qwen2vl"), np.ascontiguousarray(tensor.float().numpy()))
+    _finish(writer)
+    del head_dim
+
+    writer = gguf.GGUFWriter(str(target / "mmproj-tiny-qwen25vl-f32.gguf"), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(text["hidden_size"])
+    writer.add_vision_image_size(560)  # the converter's stand-in: Qwen's images keep their own size
+    writer.add_vision_patch_size(vision["patch_size"])
+    writer.add_vision_embedding_length(vision["hidden_size"])
+    writer.add_vision_feed_forward_length(vision["intermediate_size"])
+    writer.add_vision_block_count(vision["depth"])
+    writer.add_vision_head_count(vision["num_heads"])
+    writer.add_vision_image_mean([0.48145466, 0.4578275, 0.40821073])
+    writer.add_vision_image_std([0.26862954, 0.26130258, 0.27577711])
+    writer.add_vision_use_silu(True)
+    writer.add_vision_n_wa_pattern(vision["fullatt_block_indexes"][0] + 1)
+    writer.add_vision_attention_layernorm_eps(text.get("rms_norm_eps", 1e-6))
+    layer = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in tensors.items():
+        if not name.startswith(("visual.", "model.visual.")):
+            continue
+        rest = name.split("visual.", 1)[1]
+        array = np.ascontiguousarray(tensor.float().numpy())
+        if rest == "patch_embed.proj.weight":  # [out, in, frames, h, w]: one 2-D kernel per frame
+            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
+            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
+        elif rest.startswith("merger.ln_q."):
+            writer.add_tensor("v.post_ln." + rest.rsplit(".", 1)[1], array)
+        elif rest.startswith("merger.mlp."):
+            writer.add_tensor("mm." + rest.removeprefix("merger.mlp."), array)
+        else:
+            parts = rest.split(".")  # blocks.N.<module>.<kind>
+            block, module, kind = parts[1], ".".join(parts[2:-1]), parts[-1]
+            if module == "attn.qkv":
+                for piece, chunk in zip(("attn_q", "attn_k", "attn_v"), np.split(array, 3, axis=0)):
+                    writer.add_tensor(f"v.blk.{block}.{piece}.{kind}", np.ascontiguousarray(chunk))
+            else:
+                writer.add_tensor(f"v.blk.{block}.{layer[module]}.{kind}", array)
+    _finish(writer)
+    return target

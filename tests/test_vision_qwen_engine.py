@@ -48,7 +48,7 @@ TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _config(family: str) -> dict:
+def _config(family: str, window: int = 56) -> dict:
     if family == "qwen3-vl":
         return {
             "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
@@ -74,7 +74,7 @@ def _config(family: str) -> dict:
                         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
         "vision_config": {"model_type": "qwen2_5_vl_vision", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
                           "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                          "window_size": 56, "fullatt_block_indexes": [1], "out_hidden_size": 64},
+                          "window_size": window, "fullatt_block_indexes": [1], "out_hidden_size": 64},
         "image_token_id": IMAGE_PAD, "video_token_id": VIDEO_PAD, "vision_start_token_id": VISION_START,
         "vision_end_token_id": VISION_END, "eos_token_id": IM_END, "torch_dtype": "float32",
     }
@@ -82,17 +82,21 @@ def _config(family: str) -> dict:
 
 @pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl"])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """The folder, transformers' model of it and its image processor (Qwen3-VL's with
-    16-pixel patches and a mean and std of 0.5, as released)."""
+    """The folder, transformers' model of it and its image processor."""
+    return save_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def save_checkpoint(folder: Path, family: str, window: int = 56):  # type: ignore[no-untyped-def]
+    """A tiny checkpoint of ``family`` saved in ``folder`` (Qwen3-VL's processor with
+    16-pixel patches and a mean and std of 0.5, as released); the folder, transformers'
+    model of it and its image processor."""
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from .conftest import reinitialise
 
-    family = request.param
     model_class = Qwen3VLForConditionalGeneration if family == "qwen3-vl" else Qwen2_5_VLForConditionalGeneration
-    folder = tmp_path_factory.mktemp(family)
-    (folder / "config.json").write_text(json.dumps(_config(family)))
+    (folder / "config.json").write_text(json.dumps(_config(family, window)))
     model = model_class(AutoConfig.from_pretrained(folder))
     reinitialise(model, seed=5)
     model.save_pretrained(folder)

@@ -43,8 +43,7 @@ class Checkpoint:
     image_text: bool = False
     # Tensors saved from the bare model class, without the ``model.`` prefix (formats/embedding.py).
     bare: bool = False
-    # An image-text checkpoint's vision tower and projector, under multimodal.vision_name's names
-    # (a GGUF model's: its projector file's, under mmproj.vision_name's).
+    # An image-text checkpoint's vision tower and projector, under multimodal.vision_name's names.
     vision_headers: list[TensorHeader] = field(default_factory=list)
     # A GGUF model's vision projector file (llama.cpp's mmproj, formats/mmproj.py).
     mmproj: GGUFFile | None = None
@@ -161,7 +160,6 @@ def open_gguf(path: Path, projector: Path | None = None) -> Checkpoint:
         checkpoint = Checkpoint(path=path, spec=spec_from_gguf(gguf), files=[], gguf=gguf)
         if projector is not None:
             checkpoint.mmproj = mmproj.open_projector(projector)
-            checkpoint.vision_headers = mmproj.vision_headers(checkpoint.mmproj)
     except BaseException:
         gguf.close()
         raise

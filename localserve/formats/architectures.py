@@ -67,6 +67,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 
 HF_MODEL_TYPES = {t: a for a in ARCHITECTURES.values() for t in a.hf_model_types}
 GGUF_NAMES = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name is not None}
+# llama.cpp's Qwen2-VL / Qwen2.5-VL text model: Qwen2's, its rotary in M-RoPE sections
+# (rope.dimension_sections).
+GGUF_NAMES["qwen2vl"] = ARCHITECTURES["qwen2"]
 
 
 def by_gguf(gguf_name: str, has_experts: bool) -> Architecture | None:

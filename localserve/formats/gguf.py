@@ -106,6 +106,8 @@ class _Metadata:
             return float(value)
         if kind is str and isinstance(value, str):
             return value
+        if kind is list and isinstance(value, list):
+            return value
         raise LocalserveError(f"{self.gguf.path}: metadata {full} has an unexpected value {value!r}")
 
 
@@ -270,6 +272,12 @@ def _rope(gguf: GGUFFile, md: _Metadata, head_dim: int) -> RopeSpec:
     elif kind != "none":
         raise LocalserveError(f"{gguf.path}: rope scaling type {kind!r} is not supported (linear, yarn)")
     pairs = rotary_dim // 2
+    sections = md.get("rope.dimension_sections", list, None)  # M-RoPE (qwen2vl): frame, row, column, (unused)
+    if sections is not None:
+        if len(sections) < 3 or any(type(s) is not int or s < 0 for s in sections) or sum(sections[:3]) != pairs:
+            raise LocalserveError(f"{gguf.path}: rope.dimension_sections {sections!r} do not split the head's "
+                                  f"{pairs} frequency pairs in three")
+        rope.mrope_section = tuple(sections[:3])
     rope.freq_factors = _float_vector(gguf, ROPE_FREQS, pairs)
     rope.short_factor = _float_vector(gguf, ROPE_FACTORS_SHORT, pairs)
     rope.long_factor = _float_vector(gguf, ROPE_FACTORS_LONG, pairs)

@@ -16,11 +16,10 @@ from pathlib import Path
 
 from ..errors import LocalserveError
 from .gguf_file import GGUFFile, read_gguf, split_paths
-from .hf import TensorHeader
 
 ARCHITECTURE = "clip"  # what llama.cpp's converter writes as a projector's general.architecture
 # Projector types (clip.projector_type) localserve reads, by the model family they serve.
-SUPPORTED_TYPES = {"gemma3": "Gemma 3"}
+SUPPORTED_TYPES = {"gemma3": "Gemma 3", "qwen2.5vl_merger": "Qwen2.5-VL"}
 
 # A later shard of a split model (llama.cpp's <prefix>-00002-of-00003.gguf): part of the first.
 _LATER_SHARD = re.compile(r".*-(\d{5})-of-\d{5}\.gguf", re.IGNORECASE)
@@ -43,6 +42,23 @@ _GEMMA3_NAMES = {
 # The converter stores Gemma's (1 + weight) norm as 1 + weight; the vision model keeps weight.
 SHIFTED_BY_ONE = {"mm.soft_emb_norm.weight"}
 
+# Qwen2.5-VL's projector file -> its tower's names (vision/qwen_vl.py: the checkpoint's below
+# ``visual.``). The converter splits the fused q/k/v projection in three and the Conv3d's two
+# frames in two 2-D kernels (``v.patch_embd.weight`` and ``.weight.1``): ``vision_name`` says
+# which piece of the whole each tensor is, ``JOINED`` how the pieces go back together.
+_QWEN25_LAYER = {"attn_q": ("attn.qkv", 0), "attn_k": ("attn.qkv", 1), "attn_v": ("attn.qkv", 2),
+                 "attn_out": ("attn.proj", 0), "ln1": ("norm1", 0), "ln2": ("norm2", 0),
+                 "ffn_gate": ("mlp.gate_proj", 0), "ffn_up": ("mlp.up_proj", 0), "ffn_down": ("mlp.down_proj", 0)}
+_QWEN25_NAMES = {
+    "v.patch_embd.weight": ("patch_embed.proj.weight", 0), "v.patch_embd.weight.1": ("patch_embed.proj.weight", 1),
+    "v.post_ln.weight": ("merger.ln_q.weight", 0),
+    "mm.0.weight": ("merger.mlp.0.weight", 0), "mm.0.bias": ("merger.mlp.0.bias", 0),
+    "mm.2.weight": ("merger.mlp.2.weight", 0), "mm.2.bias": ("merger.mlp.2.bias", 0),
+}
+# How a name's pieces join: along a dimension (q, k and v rows), or stacked as a new one
+# (the kernel's frames).
+JOINED = {"attn.qkv.weight": ("cat", 0), "attn.qkv.bias": ("cat", 0), "patch_embed.proj.weight": ("stack", 2)}
+
 
 def is_projector(gguf: GGUFFile) -> bool:
     return gguf.metadata.get("general.architecture") == ARCHITECTURE
@@ -60,20 +76,22 @@ def projector_type(gguf: GGUFFile) -> str:
     return kind
 
 
-def vision_name(name: str) -> str | None:
-    """The vision model's name for a projector file's tensor (None: not one it has)."""
-    if name in _GEMMA3_NAMES:
-        return _GEMMA3_NAMES[name]
+def vision_name(name: str, kind: str) -> tuple[str, int] | None:
+    """The vision model's name for a projector file's tensor, and which piece of it the
+    tensor is (0 but for the pieces ``JOINED`` puts together); None: not one it has."""
     match = _TOWER_LAYER_NAME.fullmatch(name)
-    if match and match[2] in _TOWER_LAYER:
-        return f"tower.encoder.layers.{match[1]}.{_TOWER_LAYER[match[2]]}.{match[3]}"
+    if kind == "gemma3":
+        if name in _GEMMA3_NAMES:
+            return _GEMMA3_NAMES[name], 0
+        if match and match[2] in _TOWER_LAYER:
+            return f"tower.encoder.layers.{match[1]}.{_TOWER_LAYER[match[2]]}.{match[3]}", 0
+        return None
+    if name in _QWEN25_NAMES:
+        return _QWEN25_NAMES[name]
+    if match and match[2] in _QWEN25_LAYER:
+        module, piece = _QWEN25_LAYER[match[2]]
+        return f"blocks.{match[1]}.{module}.{match[3]}", piece
     return None
-
-
-def vision_headers(gguf: GGUFFile) -> list[TensorHeader]:
-    """The projector's tensors as (vision model name, shape, GGUF type name)."""
-    return [(renamed, info.shape, info.type_name) for info in gguf.tensors.values()
-            if (renamed := vision_name(info.name)) is not None]
 
 
 def open_projector(path: Path) -> GGUFFile:

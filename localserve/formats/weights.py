@@ -57,14 +57,31 @@ def iter_vision_weights(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Ten
 
 
 def _projector_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    kind = mmproj.projector_type(gguf)
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
     for info in gguf.tensors.values():
-        name = mmproj.vision_name(info.name)
-        if name is None:
-            raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a Gemma 3 vision projector")
+        target = mmproj.vision_name(info.name, kind)
+        if target is None:
+            raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a "
+                                  f"{mmproj.SUPPORTED_TYPES[kind]} vision projector")
         weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
         # The encoder runs dense (an mmproj file is mostly F16/F32; a quantized one is widened).
         tensor = dequantize(weight).reshape(info.shape) if isinstance(weight, QuantWeight) else weight
-        yield name, tensor - 1 if info.name in mmproj.SHIFTED_BY_ONE else tensor
+        pieces.setdefault(target[0], {})[target[1]] = tensor - 1 if info.name in mmproj.SHIFTED_BY_ONE else tensor
+    for name, parts in pieces.items():
+        join = next((how for suffix, how in mmproj.JOINED.items() if name.endswith(suffix)), None)
+        if join is None:
+            yield name, parts[0]
+            continue
+        ordered = [parts[index] for index in sorted(parts)]
+        if sorted(parts) != list(range(len(parts))) or len(parts) < 2:
+            raise LocalserveError(f"{gguf.path}: the projector holds pieces {sorted(parts)} of {name}")
+        how, dim = join
+        try:
+            yield name, torch.cat(ordered, dim) if how == "cat" else torch.stack(ordered, dim)
+        except RuntimeError:
+            raise LocalserveError(f"{gguf.path}: the pieces of {name} do not fit together "
+                                  f"({[list(p.shape) for p in ordered]})") from None
 
 
 def _safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None,

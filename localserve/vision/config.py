@@ -158,10 +158,14 @@ def read_image_config(checkpoint: Checkpoint) -> ImageConfig | None:
     """The image side of an image-text checkpoint (its config.json and, when present,
     preprocessor_config.json; or a GGUF model's projector file), or None for a text-only one."""
     if checkpoint.mmproj is not None:
+        from ..formats.mmproj import projector_type
+        from .qwen_config import QwenVisionConfig
+
         assert checkpoint.gguf is not None  # only a GGUF model has a projector file
         tokens = checkpoint.gguf.metadata.get("tokenizer.ggml.tokens")
-        return Gemma3ImageConfig.from_mmproj(checkpoint.mmproj, tokens if isinstance(tokens, list) else [],
-                                             checkpoint.spec.hidden_size)
+        family = QwenVisionConfig if projector_type(checkpoint.mmproj) == "qwen2.5vl_merger" else Gemma3ImageConfig
+        return family.from_mmproj(checkpoint.mmproj, tokens if isinstance(tokens, list) else [],
+                                  checkpoint.spec.hidden_size)
     if not checkpoint.image_text:
         return None
     from ..formats import hf

@@ -10,6 +10,7 @@ Each bad or missing value is a LocalserveError whose one line names the file and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +18,15 @@ from ..errors import LocalserveError
 from .placement import ImageLayout
 
 if TYPE_CHECKING:
+    from ..formats.gguf_file import GGUFFile
     from .image_input import ImageInput
 
 # Qwen2VLImageProcessor's defaults, for a checkpoint without preprocessor_config.json or
 # one that leaves a key out (CLIP's mean and std).
 _DEFAULT_MIN_PIXELS = 56 * 56
 _DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+# Qwen2.5-VL's released preprocessor_config.json: up to 16,384 tokens an image.
+_RELEASED_MAX_PIXELS = 12_845_056
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3  # PIL's number for bicubic resampling, as preprocessor_config.json writes it
@@ -224,6 +228,43 @@ class QwenVisionConfig(_QwenImages):
         if made.window_merged_patches < 1:
             raise LocalserveError(f"config.json: vision_config.window_size {made.window_size} is smaller than one "
                                   f"merged patch ({patch_size * merge_size} pixels)")
+        return made
+
+    @classmethod
+    def from_mmproj(cls, projector: GGUFFile, tokens: Sequence[str], text_hidden: int) -> QwenVisionConfig:
+        """From llama.cpp's projector file (``qwen2.5vl_merger``: its ``clip.vision.*`` keys,
+        written from config.json's vision_config and preprocessor_config.json's mean and std)
+        and the text model's vocabulary, where the image tokens are found by their text. The
+        processor's pixel bounds are the released files' (the projector does not carry them)."""
+        prefix = "clip.vision."
+        read = _Reader({key[len(prefix):]: value for key, value in projector.metadata.items()
+                        if key.startswith(prefix)}, f"{projector.path}: {prefix}")
+        depth = read.positive_int("block_count")
+        # Every n_wa_pattern-th block attends across the whole image (the converter's check).
+        pattern = read.positive_int("n_wa_pattern")
+        patch_size, merge_size = read.positive_int("patch_size"), read.positive_int("spatial_merge_size", 2)
+        processing = QwenImageProcessing(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2,
+                                         min_pixels=_DEFAULT_MIN_PIXELS, max_pixels=_RELEASED_MAX_PIXELS,
+                                         mean=read.triple("image_mean", _CLIP_MEAN),
+                                         std=read.triple("image_std", _CLIP_STD))
+        ids = {}
+        for key, text in (("image", "<|image_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>")):
+            try:
+                ids[key] = tokens.index(text)
+            except ValueError:
+                raise LocalserveError(f"the model's vocabulary lacks Qwen-VL's image token {text}") from None
+        made = cls(depth=depth, hidden_size=read.positive_int("embedding_length"),
+                   intermediate_size=read.positive_int("feed_forward_length"),
+                   num_heads=read.positive_int("attention.head_count"), patch_size=patch_size,
+                   spatial_merge_size=merge_size, temporal_patch_size=2,
+                   window_size=read.positive_int("window_size", 112),
+                   fullatt_block_indexes=tuple(range(pattern - 1, depth, pattern)),
+                   out_hidden_size=read.positive_int("projection_dim"), in_channels=3, rope_theta=10_000.0,
+                   processing=processing, tokens=QwenImageTokens(ids["image"], ids["start"], ids["end"]))
+        if made.out_hidden_size != text_hidden:
+            raise LocalserveError(f"{projector.path}: the projector makes {made.out_hidden_size}-wide tokens for a "
+                                  f"text model {text_hidden} wide: it belongs to another model")
+        _check_heads(made.hidden_size, made.num_heads)
         return made
 
     @property
