@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .gguf_writers import gguf_tensors
-from .vision_util import GEMMA3_TEMPLATE, SPECIAL_TOKENS, _vocabulary
+from .vision_util import GEMMA3_TEMPLATE, SPECIAL_TOKENS, VOCAB, _vocabulary
 
 # llama.cpp's converter: the projector's input projection is always F16, patch and
 # position embeddings F32 (its tensor_force_quant), the rest at the file's type.
@@ -80,14 +80,7 @@ def write_text_gguf(folder: Path, path: Path) -> None:
     rope = text.rope_parameters or {}
     writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 1e6)))
     writer.add_sliding_window(text.sliding_window)
-    vocab, merges = _vocabulary()
-    pieces = sorted(vocab, key=vocab.__getitem__)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([piece if vocab[piece] in SPECIAL_TOKENS else _encoded(piece) for piece in pieces])
-    writer.add_token_types([gguf.TokenType.CONTROL if vocab[piece] in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-                            for piece in pieces])
-    writer.add_token_merges([f"{_encoded(left)} {_encoded(right)}" for left, right in merges])
+    _gpt2_vocabulary(writer, SPECIAL_TOKENS, VOCAB)
     writer.add_bos_token_id(next(t for t, text in SPECIAL_TOKENS.items() if text == "<bos>"))
     writer.add_eos_token_id(next(t for t, text in SPECIAL_TOKENS.items() if text == "<eos>"))
     writer.add_add_bos_token(False)
