@@ -1,14 +1,15 @@
 """Image requests against llama-server on the same files: a GGUF model and llama.cpp's
-vision projector (mmproj), random weights at Gemma-3-4B's shape.
+vision projector (mmproj), random weights at Gemma-3-4B's or Qwen2.5-VL-3B's shape.
 
     python benchmarks/llama_server.py                 # once: build llama-server (~20 min)
-    python benchmarks/image_ttft.py                   # one image, then 8 clients
-    python benchmarks/image_ttft.py --workloads one --repeats 3
+    python benchmarks/image_ttft.py                   # Gemma-3-4B: one image, then 8 clients
+    python benchmarks/image_ttft.py --shape qwen2.5-vl-3b --workloads one --repeats 3
 
-Files: the text model (benchmarks/real_shapes.py's ``gemma-3-4b``, Q4_K_M by llama.cpp's
-quantizer) and an F16 projector at Gemma-3-4B's image side (SigLIP so400m at 896 px: 27
-layers 1,152 wide, 256 tokens per image projected to 2,560), both cached in
-``$LOCALSERVE_BENCH_CACHE``.
+Files: the text model (benchmarks/real_shapes.py's ``gemma-3-4b`` or ``qwen2.5-vl-3b``, Q4_K_M
+by llama.cpp's quantizer) and an F16 projector at the model's image side (Gemma 3: SigLIP
+so400m at 896 px, 27 layers 1,152 wide, 256 tokens per image projected to 2,560; Qwen2.5-VL:
+its 32-layer, 1,280-wide window-attention tower, a token per 28 x 28 pixels, projected to
+2,048), both cached in ``$LOCALSERVE_BENCH_CACHE``.
 
 Workloads (each server started in turn, with the same thread count; the request is a chat
 with one 1024 x 768 JPEG and a short question, streamed, 8 tokens out):
@@ -51,23 +52,87 @@ from servers import free_port, serving  # noqa: E402
 # Gemma-3-4B's vision_config (its config.json) and its text model's width.
 VISION = {"hidden": 1152, "ffn": 4304, "layers": 27, "heads": 16, "image_size": 896, "patch": 14}
 TEXT_HIDDEN = 2560
+# Qwen2.5-VL-3B's vision_config: blocks 7, 15, 23, 31 attend across the image, the rest in windows.
+QWEN_VISION = {"hidden": 1280, "ffn": 3420, "layers": 32, "heads": 16, "patch": 14, "full_every": 8, "out": 2048}
 QUESTION = "Describe this image in one sentence."
 OUTPUT_TOKENS = 8
-CONTEXT = 512  # per request: 256 image tokens, the question and the answer
+# Per request: the image's tokens (Gemma 3: 256; Qwen2.5-VL: 999 for 1024 x 768), the question, the answer.
+CONTEXTS = {"gemma-3-4b": 512, "qwen2.5-vl-3b": 1280}
 
 
-def projector_path() -> Path:
-    """Random F16 weights at Gemma-3-4B's image side, written as llama.cpp's converter
-    writes an mmproj file (patch and position embeddings in F32, the input projection F16)."""
+def projector_path(shape: str) -> Path:
+    """Random F16 weights at the model's image side, written as llama.cpp's converter
+    writes an mmproj file."""
+    target = llama_server.cache_dir() / "models" / f"{shape}-mmproj-F16.gguf"
+    if not target.exists():
+        print(f"writing {target.name} (random weights)", flush=True)
+        (_write_gemma3_projector if shape == "gemma-3-4b" else _write_qwen25vl_projector)(target.with_suffix(".partial"))
+        target.with_suffix(".partial").replace(target)
+    return target
+
+
+def _write_qwen25vl_projector(path: Path) -> None:
+    """Qwen2.5-VL-3B's tower as a ``qwen2.5vl_merger`` projector: q/k/v apart, the patch
+    kernel's two frames apart, the merger's two linears (F16 matrices, F32 vectors)."""
     import gguf
 
-    target = llama_server.cache_dir() / "models" / "gemma-3-4b-mmproj-F16.gguf"
-    if target.exists():
-        return target
-    print(f"writing {target.name} (random weights)", flush=True)
+    rng = np.random.default_rng(2)
+    vision = QWEN_VISION
+    hidden, ffn, joined = vision["hidden"], vision["ffn"], vision["hidden"] * 4
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(vision["out"])
+    writer.add_vision_image_size(560)
+    writer.add_vision_patch_size(vision["patch"])
+    writer.add_vision_embedding_length(hidden)
+    writer.add_vision_feed_forward_length(ffn)
+    writer.add_vision_block_count(vision["layers"])
+    writer.add_vision_head_count(vision["heads"])
+    writer.add_vision_image_mean([0.48145466, 0.4578275, 0.40821073])
+    writer.add_vision_image_std([0.26862954, 0.26130258, 0.27577711])
+    writer.add_vision_use_silu(True)
+    writer.add_vision_n_wa_pattern(vision["full_every"])
+    writer.add_vision_attention_layernorm_eps(1e-6)
+
+    def matrix(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * (np.prod(shape[1:]) ** -0.5)).astype(np.float16)
+
+    def vector(size: int, value: float | None = None) -> np.ndarray:
+        return np.full(size, value, np.float32) if value is not None else rng.standard_normal(size, np.float32) * 0.02
+
+    for frame in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        writer.add_tensor(frame, matrix(hidden, 3, vision["patch"], vision["patch"]))
+    for layer in range(vision["layers"]):
+        block = f"v.blk.{layer}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{block}.{name}.weight", matrix(hidden, hidden))
+            writer.add_tensor(f"{block}.{name}.bias", vector(hidden))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{block}.{name}.weight", vector(hidden, 1.0))
+        for name, rows, columns in (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            writer.add_tensor(f"{block}.{name}.weight", matrix(rows, columns))
+            writer.add_tensor(f"{block}.{name}.bias", vector(rows))
+    writer.add_tensor("v.post_ln.weight", vector(hidden, 1.0))
+    writer.add_tensor("mm.0.weight", matrix(joined, joined))
+    writer.add_tensor("mm.0.bias", vector(joined))
+    writer.add_tensor("mm.2.weight", matrix(vision["out"], joined))
+    writer.add_tensor("mm.2.bias", vector(vision["out"]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_gemma3_projector(path: Path) -> None:
+    """Gemma-3-4B's image side (patch and position embeddings in F32, the input projection
+    F16, as the converter forces them)."""
+    import gguf
+
     rng = np.random.default_rng(1)
     hidden, ffn = VISION["hidden"], VISION["ffn"]
-    writer = gguf.GGUFWriter(str(target.with_suffix(".partial")), "clip")
+    writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
     writer.add_clip_has_vision_encoder(True)
@@ -113,8 +178,6 @@ def projector_path() -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    target.with_suffix(".partial").replace(target)
-    return target
 
 
 def jpeg(seed: int) -> str:
@@ -151,28 +214,29 @@ def request_ttft(url: str, image: str) -> tuple[float, float]:
     return (first if first is not None else float("nan")), time.perf_counter() - start
 
 
-def server_command(system: str, model: Path, projector: Path, port: int, threads: int, clients: int) -> list[str]:
+def server_command(system: str, model: Path, projector: Path, port: int, threads: int, clients: int,
+                   context: int) -> list[str]:
     if system == "localserve":
         return [sys.executable, "-m", "localserve.cli", "serve", "--model", f"bench={model}", "--mmproj",
                 f"bench={projector}", "--device", "cpu", "--port", str(port), "--log-level", "warning",
-                "--max-num-seqs", str(clients), "--max-model-len", str(CONTEXT),
-                "--kv-cache-memory", str(clients * CONTEXT * kv_bytes_per_token(model)), "--threads", str(threads),
+                "--max-num-seqs", str(clients), "--max-model-len", str(context),
+                "--kv-cache-memory", str(clients * context * kv_bytes_per_token(model)), "--threads", str(threads),
                 "--insecure-no-auth"]
     binary = llama_server.binary()
     if binary is None:
         raise SystemExit("llama-server is not built: run python benchmarks/llama_server.py first")
     return [str(binary), "-m", str(model), "--mmproj", str(projector), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(threads), "-tb", str(threads), "-np", str(clients), "-c", str(clients * CONTEXT), "-fa", "on",
+            "-t", str(threads), "-tb", str(threads), "-np", str(clients), "-c", str(clients * context), "-fa", "on",
             "--no-webui", "-a", "bench", "--no-mmproj-offload"]
 
 
 def measure(system: str, workload: str, model: Path, projector: Path, threads: int, seed: int,
-            workdir: Path) -> dict[str, float]:
+            workdir: Path, context: int) -> dict[str, float]:
     clients = 1 if workload == "one" else int(workload)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ready = url + ("/health" if system == "localserve" else "/v1/models")
-    with serving(server_command(system, model, projector, port, threads, clients), ready, threads,
+    with serving(server_command(system, model, projector, port, threads, clients, context), ready, threads,
                  workdir / f"{system}.log"):
         request_ttft(url, jpeg(10_000 + seed))  # warm-up: first-use set-up, not counted
         if workload == "one":
@@ -197,10 +261,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", nargs="+", default=["localserve", "llama.cpp"])
+    parser.add_argument("--shape", default="gemma-3-4b", choices=list(CONTEXTS))
     args = parser.parse_args()
     print(cpu_summary())
-    assert SHAPES["gemma-3-4b"].chat_template
-    model, projector = model_path("gemma-3-4b", "Q4_K_M"), projector_path()
+    assert SHAPES[args.shape].chat_template
+    model, projector = model_path(args.shape, "Q4_K_M"), projector_path(args.shape)
     print(f"model {model.name} ({model.stat().st_size / 2**30:.2f} GiB), projector {projector.name} "
           f"({projector.stat().st_size / 2**30:.2f} GiB), {args.threads} threads")
     with tempfile.TemporaryDirectory() as folder:
@@ -208,7 +273,8 @@ def main() -> None:
             figures: dict[str, list[dict[str, float]]] = {system: [] for system in args.systems}
             for repeat in range(args.repeats):
                 for system in args.systems:
-                    result = measure(system, workload, model, projector, args.threads, repeat, Path(folder))
+                    result = measure(system, workload, model, projector, args.threads, repeat, Path(folder),
+                                     CONTEXTS[args.shape])
                     figures[system].append(result)
                     print(f"  {workload} {system} #{repeat + 1}: "
                           + ", ".join(f"{k} {v:.2f}" for k, v in result.items()), flush=True)

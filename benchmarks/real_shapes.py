@@ -64,6 +64,14 @@ GEMMA3_TEMPLATE = (
     "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
+# Qwen2-VL's chat template, cut to turns and images (<|vision_start|><|image_pad|><|vision_end|>).
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' or p.type == 'image_url' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @dataclass(frozen=True)
 class Shape:
     arch: str  # GGUF architecture
@@ -103,6 +111,10 @@ SHAPES = {
     # full, heads of 256, its 262,208-token vocabulary with the image tokens (benchmarks/image_ttft.py).
     "gemma-3-4b": Shape("gemma3", 34, 2560, 8, 4, 10240, 262208, 1000000.0, head_dim=256, sliding_window=1024,
                         chat_template=GEMMA3_TEMPLATE),
+    # Qwen2.5-VL-3B's text model: Qwen2's (q/k/v biases, tied), M-RoPE in sections of 16, 24 and 24
+    # frequency pairs, its 151,936-token vocabulary with the turn and vision tokens.
+    "qwen2.5-vl-3b": Shape("qwen2vl", 36, 2048, 16, 2, 11008, 151936, 1000000.0, qkv_bias=True,
+                           chat_template=QWEN_VL_TEMPLATE),
     # Qwen3-30B-A3B's layer (128 experts, 8 used, expert FFN 768, head_dim 128) at 12 layers
     # and hidden 1024 so its F16 source fits this machine's memory.
     "qwen3-moe-small": Shape("qwen3moe", 12, 1024, 16, 4, 0, 151936, 1000000.0, experts=128, experts_used=8,
@@ -161,6 +173,8 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
         writer.add_final_logit_softcapping(30.0)
     if shape.chat_template:
         writer.add_chat_template(shape.chat_template)
+    if shape.arch == "qwen2vl":
+        writer.add_rope_dimension_sections([16, 24, 24, 0])
     if shape.pooling:
         writer.add_pooling_type(gguf.PoolingType[shape.pooling])
         writer.add_add_eos_token(True)
@@ -173,8 +187,11 @@ def write_random_gguf(path: Path, shape: Shape, random_blocks: bool = False) -> 
     characters = [chr(c) for c in range(0x4E00, 0x4E00 + shape.vocab + 2048) if not 0xD800 <= c < 0xE000]
     words = ["\u2581", *characters[: shape.vocab - 260]]
     types = [1] * len(words)
-    if shape.arch == "gemma3":  # Gemma 3's turn and image tokens, control tokens as in its vocabulary
-        specials = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    specials = {"gemma3": ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                           "<image_soft_token>"],
+                "qwen2vl": ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"],
+                }.get(shape.arch)
+    if specials:  # the turn and image tokens, control tokens as in the model's vocabulary
         words[-len(specials):], types[-len(specials):] = specials, [3] * len(specials)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *words])
