@@ -202,10 +202,7 @@ class QwenVisionConfig(_QwenImages):
     def from_hf(cls, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> QwenVisionConfig:
         """From config.json and preprocessor_config.json (None when the checkpoint has
         none: the processor's defaults)."""
-        vision = config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise LocalserveError("config.json: vision_config is missing or not an object")
-        read = _Reader(vision, "config.json: vision_config.")
+        vision, read = _vision_config(config)
         activation = vision.get("hidden_act", "silu")
         if activation != "silu":
             raise LocalserveError(f"config.json: vision_config.hidden_act {activation!r} is not supported "
@@ -308,10 +305,7 @@ class Qwen3VisionConfig(_QwenImages):
     def from_hf(cls, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> Qwen3VisionConfig:
         """From config.json and preprocessor_config.json (None when the checkpoint has
         none: the processor's defaults)."""
-        vision = config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise LocalserveError("config.json: vision_config is missing or not an object")
-        read = _Reader(vision, "config.json: vision_config.")
+        vision, read = _vision_config(config)
         activation = vision.get("hidden_act", "gelu_pytorch_tanh")
         if activation not in _QWEN3_ACTIVATIONS:
             raise LocalserveError(f"config.json: vision_config.hidden_act {activation!r} is not supported "
@@ -351,6 +345,14 @@ class Qwen3VisionConfig(_QwenImages):
 
 
 _QWEN3_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def _vision_config(config: dict[str, Any]) -> tuple[dict[str, Any], _Reader]:
+    """config.json's vision_config, and a reader whose errors name it."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        raise LocalserveError("config.json: vision_config is missing or not an object")
+    return vision, _Reader(vision, "config.json: vision_config.")
 
 
 def _rope_theta(vision: dict[str, Any]) -> float:
