@@ -4,9 +4,10 @@ vision projector (mmproj), random weights at Gemma-3-4B's or Qwen2.5-VL-3B's sha
     python benchmarks/llama_server.py                 # once: build llama-server (~20 min)
     python benchmarks/image_ttft.py                   # Gemma-3-4B: one image, then 8 clients
     python benchmarks/image_ttft.py --shape qwen2.5-vl-3b --workloads one --repeats 3
+    python benchmarks/image_ttft.py --projector Q8_0  # the tower's matrices in Q8_0 (both systems)
 
 Files: the text model (benchmarks/real_shapes.py's ``gemma-3-4b`` or ``qwen2.5-vl-3b``, Q4_K_M
-by llama.cpp's quantizer) and an F16 projector at the model's image side (Gemma 3: SigLIP
+by llama.cpp's quantizer) and an F16 (or Q8_0) projector at the model's image side (Gemma 3: SigLIP
 so400m at 896 px, 27 layers 1,152 wide, 256 tokens per image projected to 2,560; Qwen2.5-VL:
 its 32-layer, 1,280-wide window-attention tower, a token per 28 x 28 pixels, projected to
 2,048), both cached in ``$LOCALSERVE_BENCH_CACHE``.
@@ -60,20 +61,32 @@ OUTPUT_TOKENS = 8
 CONTEXTS = {"gemma-3-4b": 512, "qwen2.5-vl-3b": 1280}
 
 
-def projector_path(shape: str) -> Path:
-    """Random F16 weights at the model's image side, written as llama.cpp's converter
-    writes an mmproj file."""
-    target = llama_server.cache_dir() / "models" / f"{shape}-mmproj-F16.gguf"
+def projector_path(shape: str, matrices: str) -> Path:
+    """Random weights at the model's image side, written as llama.cpp's converter writes
+    an mmproj file with ``--outtype f16`` or ``q8_0``: the tower's matrices in that type
+    (Q8_0 falls back to F16 for rows not a multiple of 32 long, as the converter's does)."""
+    target = llama_server.cache_dir() / "models" / f"{shape}-mmproj-{matrices}.gguf"
     if not target.exists():
         print(f"writing {target.name} (random weights)", flush=True)
-        (_write_gemma3_projector if shape == "gemma-3-4b" else _write_qwen25vl_projector)(target.with_suffix(".partial"))
+        write = _write_gemma3_projector if shape == "gemma-3-4b" else _write_qwen25vl_projector
+        write(target.with_suffix(".partial"), matrices)
         target.with_suffix(".partial").replace(target)
     return target
 
 
-def _write_qwen25vl_projector(path: Path) -> None:
+def _add_matrix(writer, name: str, array: np.ndarray, matrices: str) -> None:  # type: ignore[no-untyped-def]
+    import gguf
+
+    if matrices == "Q8_0" and array.shape[-1] % 32 == 0:
+        writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        writer.add_tensor(name, array.astype(np.float16))
+
+
+def _write_qwen25vl_projector(path: Path, matrices: str) -> None:
     """Qwen2.5-VL-3B's tower as a ``qwen2.5vl_merger`` projector: q/k/v apart, the patch
-    kernel's two frames apart, the merger's two linears (F16 matrices, F32 vectors)."""
+    kernel's two frames apart (F16), the merger's two linears, F32 vectors."""
     import gguf
 
     rng = np.random.default_rng(2)
@@ -97,27 +110,27 @@ def _write_qwen25vl_projector(path: Path) -> None:
     writer.add_vision_attention_layernorm_eps(1e-6)
 
     def matrix(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * (np.prod(shape[1:]) ** -0.5)).astype(np.float16)
+        return rng.standard_normal(shape, dtype=np.float32) * (np.prod(shape[1:]) ** -0.5)
 
     def vector(size: int, value: float | None = None) -> np.ndarray:
         return np.full(size, value, np.float32) if value is not None else rng.standard_normal(size, np.float32) * 0.02
 
     for frame in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
-        writer.add_tensor(frame, matrix(hidden, 3, vision["patch"], vision["patch"]))
+        writer.add_tensor(frame, matrix(hidden, 3, vision["patch"], vision["patch"]).astype(np.float16))
     for layer in range(vision["layers"]):
         block = f"v.blk.{layer}"
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            writer.add_tensor(f"{block}.{name}.weight", matrix(hidden, hidden))
+            _add_matrix(writer, f"{block}.{name}.weight", matrix(hidden, hidden), matrices)
             writer.add_tensor(f"{block}.{name}.bias", vector(hidden))
         for name in ("ln1", "ln2"):
             writer.add_tensor(f"{block}.{name}.weight", vector(hidden, 1.0))
         for name, rows, columns in (("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
-            writer.add_tensor(f"{block}.{name}.weight", matrix(rows, columns))
+            _add_matrix(writer, f"{block}.{name}.weight", matrix(rows, columns), matrices)
             writer.add_tensor(f"{block}.{name}.bias", vector(rows))
     writer.add_tensor("v.post_ln.weight", vector(hidden, 1.0))
-    writer.add_tensor("mm.0.weight", matrix(joined, joined))
+    _add_matrix(writer, "mm.0.weight", matrix(joined, joined), matrices)
     writer.add_tensor("mm.0.bias", vector(joined))
-    writer.add_tensor("mm.2.weight", matrix(vision["out"], joined))
+    _add_matrix(writer, "mm.2.weight", matrix(vision["out"], joined), matrices)
     writer.add_tensor("mm.2.bias", vector(vision["out"]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -125,7 +138,7 @@ def _write_qwen25vl_projector(path: Path) -> None:
     writer.close()
 
 
-def _write_gemma3_projector(path: Path) -> None:
+def _write_gemma3_projector(path: Path, matrices: str) -> None:
     """Gemma-3-4B's image side (patch and position embeddings in F32, the input projection
     F16, as the converter forces them)."""
     import gguf
@@ -161,14 +174,14 @@ def _write_gemma3_projector(path: Path) -> None:
     for layer in range(VISION["layers"]):
         block = f"v.blk.{layer}"
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            writer.add_tensor(f"{block}.{name}.weight", matrix(hidden, hidden))
+            _add_matrix(writer, f"{block}.{name}.weight", matrix(hidden, hidden, dtype=np.float32), matrices)
             writer.add_tensor(f"{block}.{name}.bias", vector(hidden))
         for name in ("ln1", "ln2"):
             writer.add_tensor(f"{block}.{name}.weight", vector(hidden, 1.0))
             writer.add_tensor(f"{block}.{name}.bias", vector(hidden))
-        writer.add_tensor(f"{block}.ffn_up.weight", matrix(ffn, hidden))
+        _add_matrix(writer, f"{block}.ffn_up.weight", matrix(ffn, hidden, dtype=np.float32), matrices)
         writer.add_tensor(f"{block}.ffn_up.bias", vector(ffn))
-        writer.add_tensor(f"{block}.ffn_down.weight", matrix(hidden, ffn))
+        _add_matrix(writer, f"{block}.ffn_down.weight", matrix(hidden, ffn, dtype=np.float32), matrices)
         writer.add_tensor(f"{block}.ffn_down.bias", vector(hidden))
     writer.add_tensor("v.post_ln.weight", vector(hidden, 1.0))
     writer.add_tensor("v.post_ln.bias", vector(hidden))
@@ -262,10 +275,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--systems", nargs="+", default=["localserve", "llama.cpp"])
     parser.add_argument("--shape", default="gemma-3-4b", choices=list(CONTEXTS))
+    parser.add_argument("--projector", default="F16", choices=["F16", "Q8_0"],
+                        help="the type of the projector's matrices, as the converter's --outtype")
     args = parser.parse_args()
     print(cpu_summary())
     assert SHAPES[args.shape].chat_template
-    model, projector = model_path(args.shape, "Q4_K_M"), projector_path(args.shape)
+    model, projector = model_path(args.shape, "Q4_K_M"), projector_path(args.shape, args.projector)
     print(f"model {model.name} ({model.stat().st_size / 2**30:.2f} GiB), projector {projector.name} "
           f"({projector.stat().st_size / 2**30:.2f} GiB), {args.threads} threads")
     with tempfile.TemporaryDirectory() as folder:

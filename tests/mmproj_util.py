@@ -2,7 +2,9 @@
 keeps such a model: a ``gemma3`` GGUF text model and an ``mmproj`` projector file (arch
 ``clip``), with gguf-py, laid out as llama.cpp's converter lays them out (its
 ``Gemma3Model`` and ``Gemma3VisionModel``: norms stored as 1 + w, the projector's input
-projection in F16 and as HF shapes it, SigLIP's tensors under ``v.*``, fc1 as ffn_up).
+projection in F16 and as HF shapes it, SigLIP's tensors under ``v.*``, fc1 as ffn_up); the
+tiny Qwen2.5-VL and Qwen3-VL checkpoints of tests/test_vision_qwen_engine.py likewise
+(``write_qwen25vl_pair``, ``write_qwen3vl_pair``).
 
 The text model's vocabulary is the tiny tokenizer's own (a ``gpt2`` BPE vocabulary: its
 pieces byte-level encoded, its merges, the special tokens as control tokens), so the ids
@@ -124,14 +126,25 @@ def write_mmproj(folder: Path, path: Path, matrices: str = "F32") -> None:
             array = array + 1
         if gguf_name in _FORCED_F16:
             writer.add_tensor(gguf_name, array.astype(np.float16))
-        elif array.ndim == 1 or gguf_name in _FORCED_F32 or matrices == "F32":
+        elif gguf_name in _FORCED_F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
-        elif matrices == "F16":
-            writer.add_tensor(gguf_name, array.astype(np.float16))
         else:
-            kind = gguf.GGMLQuantizationType[matrices]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            _add_tensor(writer, gguf_name, array, matrices)
     _finish(writer)
+
+
+def _add_tensor(writer, name: str, array: np.ndarray, matrices: str) -> None:  # type: ignore[no-untyped-def]
+    """A vector in F32, a matrix in ``matrices`` (F32, F16 or a quantized type such as Q8_0)."""
+    import gguf
+
+    if array.ndim == 1 or matrices == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    elif matrices == "F16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        kind = gguf.GGMLQuantizationType[matrices]
+        writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), kind),
+                          raw_dtype=kind)
 
 
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -165,6 +178,29 @@ def _finish(writer) -> None:  # type: ignore[no-untyped-def]
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def rewrite_gguf(source: Path, target: Path, arch: str | None = None, drop: tuple[str, ...] = (),
+                 extra: dict[str, list[int]] | None = None) -> None:
+    """``source`` copied to ``target`` but for the keys and tensors named in ``drop``: under
+    ``arch`` (its ``<arch>.`` keys renamed), with the integer arrays of ``extra`` added."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    old_arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(target), arch or old_arch)
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture" and name not in drop:
+            main = field.types[0]
+            key = f"{arch}.{name.removeprefix(old_arch + '.')}" if arch and name.startswith(old_arch + ".") else name
+            writer.add_key_value(key, field.contents(), main,
+                                 sub_type=field.types[-1] if main == gguf.GGUFValueType.ARRAY else None)
+    for key, values in (extra or {}).items():
+        writer.add_array(key, values)
+    for tensor in reader.tensors:
+        if tensor.name not in drop:
+            writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    _finish(writer)
 
 
 def gguf_pair(hf_folder: Path, target: Path, matrices: str = "F32") -> Path:
@@ -207,14 +243,14 @@ def llama_cpp_generate(model: Path, projector: Path, text: str, images: list[byt
         assert mtmd.mtmd_tokenize(context, chunks, ctypes.byref(request),
                                   (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps), len(bitmaps)) == 0
         embeddings = []
-        hidden = llm.n_embd()
+        width = lc.llama_model_n_embd_inp(llm._model.model)  # Qwen3-VL's: the text model's times 1 + deepstack layers
         for index in range(mtmd.mtmd_input_chunks_size(chunks)):
             chunk = mtmd.mtmd_input_chunks_get(chunks, index)
             if mtmd.mtmd_input_chunk_get_type(chunk) != 0:  # an image
                 count = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
                 assert mtmd.mtmd_encode_chunk(context, chunk) == 0
                 output = mtmd.mtmd_get_output_embd(context)
-                embeddings.append(np.ctypeslib.as_array(output, shape=(count * hidden,)).reshape(count, hidden).copy())
+                embeddings.append(np.ctypeslib.as_array(output, shape=(count * width,)).reshape(count, width).copy())
         position = lc.llama_pos(0)
         assert mtmd.mtmd_helper_eval_chunks(context, llm.ctx, chunks, 0, 0, 512, True, ctypes.byref(position)) == 0
         tokens: list[int] = []
@@ -233,7 +269,7 @@ def llama_cpp_generate(model: Path, projector: Path, text: str, images: list[byt
         llm.close()
 
 
-# -- Qwen2.5-VL: a qwen2vl text model and a qwen2.5vl_merger projector ------------------------------------------
+# -- Qwen2.5-VL and Qwen3-VL: a qwen2vl / qwen3vl text model and a qwen2.5vl_merger / qwen3vl_merger projector ---
 
 def _gpt2_vocabulary(writer, special_tokens: dict[int, str], size: int) -> None:  # type: ignore[no-untyped-def]
     """The tiny tokenizer's vocabulary as a GGUF ``gpt2`` one (byte-level pieces)."""
@@ -249,23 +285,19 @@ def _gpt2_vocabulary(writer, special_tokens: dict[int, str], size: int) -> None:
     writer.add_token_merges([f"{_encoded(left)} {_encoded(right)}" for left, right in merges])
 
 
-def write_qwen25vl_pair(hf_folder: Path, target: Path, special_tokens: dict[int, str], size: int,
-                        template: str, eos: int) -> Path:
-    """The tiny Qwen2.5-VL checkpoint as llama.cpp's converter writes it: the text model as
-    arch ``qwen2vl`` (Qwen2's tensors, ``rope.dimension_sections``) and the tower as a
-    ``qwen2.5vl_merger`` projector (q/k/v split from the fused projection, the Conv3d's two
-    frames as two kernels, every ``n_wa_pattern``-th block attending across the image)."""
+def _write_qwen_text(hf_folder: Path, path: Path, arch: str, special_tokens: dict[int, str], size: int,
+                     template: str, eos: int) -> None:
+    """The checkpoint's text model as the converter writes a Qwen-VL's: arch ``qwen2vl``
+    (Qwen2's tensors) or ``qwen3vl`` (Qwen3's, its head size and the number of deepstack
+    layers stated), the M-RoPE sections padded to four (``rope.dimension_sections``)."""
     import gguf
     from safetensors.torch import load_file
 
     from .gguf_writers import gguf_name
 
-    target.mkdir(parents=True)
     config = json.loads((hf_folder / "config.json").read_text())
-    text, vision = config["text_config"], config["vision_config"]
-    tensors = load_file(hf_folder / "model.safetensors")
-    head_dim = text["hidden_size"] // text["num_attention_heads"]
-    writer = gguf.GGUFWriter(str(target / "tiny-qwen25vl.gguf"), "qwen2vl")
+    text = config["text_config"]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(text["max_position_embeddings"])
     writer.add_embedding_length(text["hidden_size"])
     writer.add_block_count(text["num_hidden_layers"])
@@ -276,11 +308,15 @@ def write_qwen25vl_pair(hf_folder: Path, target: Path, special_tokens: dict[int,
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", text.get("rope_theta", 10000.0))))
     writer.add_rope_dimension_sections([*rope["mrope_section"], 0])
+    if arch == "qwen3vl":
+        writer.add_key_length(text["head_dim"])
+        writer.add_value_length(text["head_dim"])
+        writer.add_num_deepstack_layers(len(config["vision_config"]["deepstack_visual_indexes"]))
     _gpt2_vocabulary(writer, special_tokens, size)
     writer.add_eos_token_id(eos)
     writer.add_add_bos_token(False)
     writer.add_chat_template(template)
-    for name, tensor in tensors.items():
+    for name, tensor in load_file(hf_folder / "model.safetensors").items():
         for prefix in ("model.language_model.", "model."):
             if name.startswith(prefix) and not name.startswith("model.visual."):
                 name = "model." + name.removeprefix(prefix)
@@ -288,47 +324,119 @@ def write_qwen25vl_pair(hf_folder: Path, target: Path, special_tokens: dict[int,
         else:
             if not name.startswith("lm_head."):
                 continue
-        writer.add_tensor(gguf_name(name, "qwen2vl"), np.ascontiguousarray(tensor.float().numpy()))
+        writer.add_tensor(gguf_name(name, arch), np.ascontiguousarray(tensor.float().numpy()))
     _finish(writer)
-    del head_dim
 
-    writer = gguf.GGUFWriter(str(target / "mmproj-tiny-qwen25vl-f32.gguf"), "clip")
+
+def _qwen_projector(hf_folder: Path, path: Path, kind, image_size: int):  # type: ignore[no-untyped-def]
+    """A projector file's writer with the keys the converter writes for every Qwen-VL
+    (``image_size``: what it states for a tower that keeps each image's own size), and
+    the checkpoint's vision tensors below ``visual.`` as float32 arrays."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    vision = config["vision_config"]
+    preprocessor = json.loads((hf_folder / "preprocessor_config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_clip_projector_type(gguf.VisionProjectorType.QWEN25VL)
+    writer.add_clip_projector_type(kind)
     writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(text["hidden_size"])
-    writer.add_vision_image_size(560)  # the converter's stand-in: Qwen's images keep their own size
+    writer.add_vision_projection_dim(config["text_config"]["hidden_size"])
+    writer.add_vision_image_size(image_size)
     writer.add_vision_patch_size(vision["patch_size"])
     writer.add_vision_embedding_length(vision["hidden_size"])
     writer.add_vision_feed_forward_length(vision["intermediate_size"])
     writer.add_vision_block_count(vision["depth"])
     writer.add_vision_head_count(vision["num_heads"])
-    writer.add_vision_image_mean([0.48145466, 0.4578275, 0.40821073])
-    writer.add_vision_image_std([0.26862954, 0.26130258, 0.27577711])
+    writer.add_vision_image_mean(preprocessor["image_mean"])
+    writer.add_vision_image_std(preprocessor["image_std"])
+    # The converter writes the text model's epsilon as the tower's.
+    writer.add_vision_attention_layernorm_eps(config["text_config"].get("rms_norm_eps", 1e-6))
+    tensors = {name.split("visual.", 1)[1]: np.ascontiguousarray(tensor.float().numpy())
+               for name, tensor in load_file(hf_folder / "model.safetensors").items()
+               if name.startswith(("visual.", "model.visual."))}
+    return writer, config, tensors
+
+
+def _add_patch_kernels(writer, array: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+    """The Conv3d's kernel ``[out, in, frames, h, w]`` as one 2-D kernel per frame."""
+    writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
+    writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
+
+
+def write_qwen25vl_pair(hf_folder: Path, target: Path, special_tokens: dict[int, str], size: int,
+                        template: str, eos: int, matrices: str = "F32") -> Path:
+    """The tiny Qwen2.5-VL checkpoint as llama.cpp's converter writes it: the text model as
+    arch ``qwen2vl`` and the tower as a ``qwen2.5vl_merger`` projector (q/k/v split from the
+    fused projection, the Conv3d's two frames as two kernels, every ``n_wa_pattern``-th block
+    attending across the image; the linear layers' matrices in ``matrices``)."""
+    import gguf
+
+    target.mkdir(parents=True)
+    _write_qwen_text(hf_folder, target / "tiny-qwen25vl.gguf", "qwen2vl", special_tokens, size, template, eos)
+    writer, config, tensors = _qwen_projector(hf_folder, target / f"mmproj-tiny-qwen25vl-{matrices.lower()}.gguf",
+                                              gguf.VisionProjectorType.QWEN25VL, 560)  # the converter's stand-in
     writer.add_vision_use_silu(True)
-    writer.add_vision_n_wa_pattern(vision["fullatt_block_indexes"][0] + 1)
-    writer.add_vision_attention_layernorm_eps(text.get("rms_norm_eps", 1e-6))
+    writer.add_vision_n_wa_pattern(config["vision_config"]["fullatt_block_indexes"][0] + 1)
     layer = {"attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    for name, tensor in tensors.items():
-        if not name.startswith(("visual.", "model.visual.")):
-            continue
-        rest = name.split("visual.", 1)[1]
-        array = np.ascontiguousarray(tensor.float().numpy())
-        if rest == "patch_embed.proj.weight":  # [out, in, frames, h, w]: one 2-D kernel per frame
-            writer.add_tensor("v.patch_embd.weight", np.ascontiguousarray(array[:, :, 0]))
-            writer.add_tensor("v.patch_embd.weight.1", np.ascontiguousarray(array[:, :, 1]))
-        elif rest.startswith("merger.ln_q."):
-            writer.add_tensor("v.post_ln." + rest.rsplit(".", 1)[1], array)
-        elif rest.startswith("merger.mlp."):
-            writer.add_tensor("mm." + rest.removeprefix("merger.mlp."), array)
+    for name, array in tensors.items():
+        if name == "patch_embed.proj.weight":
+            _add_patch_kernels(writer, array)
+        elif name.startswith("merger.ln_q."):
+            writer.add_tensor("v.post_ln." + name.rsplit(".", 1)[1], array)
+        elif name.startswith("merger.mlp."):
+            _add_tensor(writer, "mm." + name.removeprefix("merger.mlp."), array, matrices)
         else:
-            parts = rest.split(".")  # blocks.N.<module>.<kind>
+            parts = name.split(".")  # blocks.N.<module>.<kind>
             block, module, kind = parts[1], ".".join(parts[2:-1]), parts[-1]
             if module == "attn.qkv":
                 for piece, chunk in zip(("attn_q", "attn_k", "attn_v"), np.split(array, 3, axis=0)):
-                    writer.add_tensor(f"v.blk.{block}.{piece}.{kind}", np.ascontiguousarray(chunk))
+                    _add_tensor(writer, f"v.blk.{block}.{piece}.{kind}", chunk, matrices)
             else:
-                writer.add_tensor(f"v.blk.{block}.{layer[module]}.{kind}", array)
+                _add_tensor(writer, f"v.blk.{block}.{layer[module]}.{kind}", array, matrices)
+    _finish(writer)
+    return target
+
+
+def write_qwen3vl_pair(hf_folder: Path, target: Path, special_tokens: dict[int, str], size: int,
+                       template: str, eos: int) -> Path:
+    """The tiny Qwen3-VL checkpoint as llama.cpp's converter writes it (its Qwen3VLTextModel
+    and Qwen3VLVisionModel): the text model as arch ``qwen3vl`` and the tower as a
+    ``qwen3vl_merger`` projector (q/k/v fused, the Conv3d's two frames as two kernels and its
+    bias, the main merger as ``v.post_ln``, ``mm.0``, ``mm.2``, each deepstack merger under
+    the number of the block it reads, ``v.deepstack.<block>.{norm,fc1,fc2}``)."""
+    import gguf
+
+    target.mkdir(parents=True)
+    _write_qwen_text(hf_folder, target / "tiny-qwen3vl.gguf", "qwen3vl", special_tokens, size, template, eos)
+    path = target / "mmproj-tiny-qwen3vl-f32.gguf"
+    vision = json.loads((hf_folder / "config.json").read_text())["vision_config"]
+    # The converter's image size: the learned position grid's side in pixels.
+    image_size = int(vision["num_position_embeddings"] ** 0.5 * vision["patch_size"])
+    writer, _, tensors = _qwen_projector(hf_folder, path, gguf.VisionProjectorType.QWEN3VL, image_size)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_spatial_merge_size(vision["spatial_merge_size"])
+    blocks = vision["deepstack_visual_indexes"]
+    writer.add_vision_is_deepstack_layers([block in blocks for block in range(vision["depth"])])
+    layer = {"attn.qkv": "attn_qkv", "attn.proj": "attn_out", "norm1": "ln1", "norm2": "ln2",
+             "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
+    merger = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+    deepstack = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+    for name, array in tensors.items():
+        parts = name.split(".")
+        if name == "patch_embed.proj.weight":
+            _add_patch_kernels(writer, array)
+        elif name == "patch_embed.proj.bias":
+            writer.add_tensor("v.patch_embd.bias", array)
+        elif name == "pos_embed.weight":
+            writer.add_tensor("v.position_embd.weight", array)
+        elif parts[0] == "merger":  # merger.<module>.<kind>
+            writer.add_tensor(f"{merger[parts[1]]}.{parts[2]}", array)
+        elif parts[0] == "deepstack_merger_list":  # deepstack_merger_list.I.<module>.<kind>
+            writer.add_tensor(f"v.deepstack.{blocks[int(parts[1])]}.{deepstack[parts[2]]}.{parts[3]}", array)
+        else:  # blocks.N.<module>.<kind>
+            writer.add_tensor(f"v.blk.{parts[1]}.{layer['.'.join(parts[2:-1])]}.{parts[-1]}", array)
     _finish(writer)
     return target

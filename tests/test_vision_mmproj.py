@@ -5,7 +5,8 @@ tiny image-text checkpoint of tests/vision_util.py.
 The independent reference is llama.cpp itself (llama-cpp-python's libmtmd, what
 llama-server runs with ``--mmproj``): each image's embeddings and the greedy tokens of
 prompts with one and two images. The projector's encoder is also held against the HF
-checkpoint it was written from, with its tower in F32, F16 and Q8_0. Then: how a folder's
+checkpoint it was written from, with its tower in F32, F16 and Q8_0 (which runs on the int8
+kernel, as llama.cpp's does: against llama.cpp too). Then: how a folder's
 files are told apart, the refusals, ``show`` and the daemon serving the pair."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from PIL import Image
 
 from localserve import Engine, EngineConfig, SamplingParams
 from localserve.errors import LocalserveError
+from localserve.kernels.quant_linear_cpu import TiledWeight
 from localserve.formats import open_checkpoint
 from localserve.formats.mmproj import pair_folder
 from localserve.registry.pull import pull
@@ -30,6 +32,8 @@ from localserve.server.config import ServerConfig
 from localserve.vision import load_image_encoder
 from localserve.vision.config import read_image_config
 from localserve.vision.image_input import image_from_bytes
+from localserve.vision import quantized
+from localserve.vision.quantized import QuantizedLinear
 
 from .fake_hub import FakeHub
 from .test_pull import empty_registry
@@ -173,6 +177,32 @@ def test_image_embeddings_equal_llama_cpps(engine: Engine, pair: Path) -> None:
         got = engine.images.model(pixels).numpy()
     for ours, theirs in zip(got, expected, strict=True):
         # llama.cpp's GELU and its F16 input projection against ours in float32.
+        np.testing.assert_allclose(ours, theirs, atol=5e-3 * np.abs(theirs).max(), rtol=0)
+
+
+def test_a_q8_0_projector_runs_on_the_int8_kernel_as_llama_cpp_runs_it(hf_folder: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized projector's matrices stay quantized where the int8 kernel has VNNI (made
+    so here): on the CPU, the text model's int8 kernel (activations rounded to int8 per 32,
+    as llama.cpp's Q8_0 matmul rounds them). Without VNNI they are widened at load."""
+    folder = gguf_pair(hf_folder, tmp_path / "pair", "Q8_0")
+    checkpoint = open_checkpoint(folder)
+    monkeypatch.setattr(quantized, "runs_quantized", lambda device: False)
+    widened = load_image_encoder(checkpoint, checkpoint.tokenizer(), torch.device("cpu"), torch.float32)
+    assert widened is not None and not any(isinstance(m, QuantizedLinear) for m in widened.model.modules())
+    monkeypatch.setattr(quantized, "runs_quantized", lambda device: True)
+    encoder = load_image_encoder(checkpoint, checkpoint.tokenizer(), torch.device("cpu"), torch.float32)
+    assert encoder is not None
+    kept = [m for m in encoder.model.modules() if isinstance(m, QuantizedLinear)]
+    assert kept and all(isinstance(m.weight, TiledWeight) for m in kept)
+    assert not any(isinstance(m, torch.nn.Linear) for m in encoder.model.modules())
+    pictures = [_at_size(1), _at_size(2)]
+    _, expected = llama_cpp_generate(folder / "tiny-gemma3.gguf", folder / "mmproj-tiny-gemma3-q8_0.gguf",
+                                     "Describe <__media__> and <__media__>", pictures, 1)
+    pixels = torch.stack([encoder.model.pixels(image_from_bytes(p)) for p in pictures])
+    with torch.inference_mode():
+        got = encoder.model(pixels).numpy()
+    for ours, theirs in zip(got, expected, strict=True):
         np.testing.assert_allclose(ours, theirs, atol=5e-3 * np.abs(theirs).max(), rtol=0)
 
 

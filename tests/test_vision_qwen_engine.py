@@ -86,22 +86,28 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return save_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def save_checkpoint(folder: Path, family: str, window: int = 56):  # type: ignore[no-untyped-def]
+def save_checkpoint(folder: Path, family: str, window: int = 56,  # type: ignore[no-untyped-def]
+                    pixels: tuple[int, int] = (MIN_PIXELS, MAX_PIXELS), text: dict | None = None,
+                    vision: dict | None = None):
     """A tiny checkpoint of ``family`` saved in ``folder`` (Qwen3-VL's processor with
-    16-pixel patches and a mean and std of 0.5, as released); the folder, transformers'
-    model of it and its image processor."""
+    16-pixel patches and a mean and std of 0.5, as released; ``pixels`` its bounds; ``text``
+    and ``vision`` changes to the configs); the folder, transformers' model of it and its
+    image processor."""
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from .conftest import reinitialise
 
     model_class = Qwen3VLForConditionalGeneration if family == "qwen3-vl" else Qwen2_5_VLForConditionalGeneration
-    (folder / "config.json").write_text(json.dumps(_config(family, window)))
+    config = _config(family, window)
+    config["text_config"].update(text or {})
+    config["vision_config"].update(vision or {})
+    (folder / "config.json").write_text(json.dumps(config))
     model = model_class(AutoConfig.from_pretrained(folder))
     reinitialise(model, seed=5)
     model.save_pretrained(folder)
     processing = {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3-vl" else {}
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, **processing).save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=pixels[0], max_pixels=pixels[1], **processing).save_pretrained(folder)
     build_tokenizer(SPECIAL, VOCAB, unk="<|endoftext|>").save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",

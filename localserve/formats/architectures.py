@@ -67,9 +67,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
 
 HF_MODEL_TYPES = {t: a for a in ARCHITECTURES.values() for t in a.hf_model_types}
 GGUF_NAMES = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name is not None}
-# llama.cpp's Qwen2-VL / Qwen2.5-VL text model: Qwen2's, its rotary in M-RoPE sections
-# (rope.dimension_sections).
+# llama.cpp's image-text models' text models: Qwen2's (Qwen2-VL, Qwen2.5-VL), Qwen3's and
+# Qwen3-MoE's (Qwen3-VL), their rotary in M-RoPE sections (rope.dimension_sections); the
+# image tower's deepstack features (qwen3vl.n_deepstack_layers) come from the projector.
 GGUF_NAMES["qwen2vl"] = ARCHITECTURES["qwen2"]
+GGUF_NAMES["qwen3vl"] = ARCHITECTURES["qwen3"]
+GGUF_NAMES["qwen3vlmoe"] = ARCHITECTURES["qwen3_moe"]
+# Those GGUF names -> whether llama.cpp interleaves their M-RoPE sections (its IMROPE, fixed
+# in code for Qwen3-VL as config.json's mrope_interleaved says) rather than running them in turn.
+GGUF_MROPE = {"qwen2vl": False, "qwen3vl": True, "qwen3vlmoe": True}
 
 
 def by_gguf(gguf_name: str, has_experts: bool) -> Architecture | None:

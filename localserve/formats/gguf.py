@@ -1,8 +1,8 @@
 """GGUF files' metadata (llama, qwen2, qwen3, granite, gemma2, gemma3, phi3 architectures; Mixtral
-as llama with experts, qwen2moe, qwen3moe, olmoe, gpt-oss) -> ModelSpec and chat template, and the map from GGUF
-tensor names to HF's (the experts' stacked ``*_exps`` tensors to
-``<moe block>.experts.<gate|up|down>_proj.weight``, one row block per expert). Needs no
-torch: formats/weights.py turns the tensors into weights.
+as llama with experts, qwen2moe, qwen3moe, olmoe, gpt-oss; qwen2vl, qwen3vl and qwen3vlmoe as
+their text models) -> ModelSpec and chat template, and the map from GGUF tensor names to HF's
+(the experts' stacked ``*_exps`` tensors to ``<moe block>.experts.<gate|up|down>_proj.weight``,
+one row block per expert). Needs no torch: formats/weights.py turns the tensors into weights.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import LocalserveError
 from ..text.chat_template import ChatTemplate, NoChatTemplateError
-from .architectures import ARCHITECTURES, GGUF_NAMES, Architecture, by_gguf
+from .architectures import ARCHITECTURES, GGUF_MROPE, GGUF_NAMES, Architecture, by_gguf
 from .gguf_file import GGUFFile
 from .spec import ModelSpec, RopeSpec
 
@@ -272,12 +272,14 @@ def _rope(gguf: GGUFFile, md: _Metadata, head_dim: int) -> RopeSpec:
     elif kind != "none":
         raise LocalserveError(f"{gguf.path}: rope scaling type {kind!r} is not supported (linear, yarn)")
     pairs = rotary_dim // 2
-    sections = md.get("rope.dimension_sections", list, None)  # M-RoPE (qwen2vl): frame, row, column, (unused)
+    # M-RoPE (qwen2vl, qwen3vl): frame, row, column, (unused); llama.cpp requires the sections there.
+    sections = md.get("rope.dimension_sections", list, ... if md.arch in GGUF_MROPE else None)
     if sections is not None:
         if len(sections) < 3 or any(type(s) is not int or s < 0 for s in sections) or sum(sections[:3]) != pairs:
             raise LocalserveError(f"{gguf.path}: rope.dimension_sections {sections!r} do not split the head's "
                                   f"{pairs} frequency pairs in three")
         rope.mrope_section = tuple(sections[:3])
+        rope.mrope_interleaved = GGUF_MROPE.get(md.arch, False)
     rope.freq_factors = _float_vector(gguf, ROPE_FREQS, pairs)
     rope.short_factor = _float_vector(gguf, ROPE_FACTORS_SHORT, pairs)
     rope.long_factor = _float_vector(gguf, ROPE_FACTORS_LONG, pairs)

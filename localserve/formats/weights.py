@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
-from ..kernels.quant_weight import QuantWeight, dequantize
+from ..kernels.quant_weight import QuantWeight, concat_rows, dequantize
 from . import embedding, gpt_oss, hf, mmproj, multimodal
 from .gguf import LAYER_TENSOR, MOE_NAMES, ROPE_TENSORS, hf_name
 from .gguf_file import GGUFFile
@@ -47,29 +47,34 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
     return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors
 
 
-def iter_vision_weights(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_vision_weights(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(name, tensor) of an image-text checkpoint's vision tower and projector
     (``multimodal.vision_name``'s names), the text model's tensors skipped unread; a GGUF
-    model's from its projector file (``mmproj.vision_name``'s names), dequantized."""
+    model's from its projector file (``mmproj.vision_name``'s names), its quantized
+    matrices as QuantWeights (vision/quantized.py runs them so)."""
     if checkpoint.mmproj is not None:
         return _projector_weights(checkpoint.mmproj)
     return _safetensors(checkpoint.files, multimodal.vision_name)
 
 
-def _projector_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    kind = mmproj.projector_type(gguf)
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+def _projector_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    kind, deepstack = mmproj.projector_type(gguf), mmproj.deepstack_blocks(gguf)
+    pieces: dict[str, dict[int, torch.Tensor | QuantWeight]] = {}
     for info in gguf.tensors.values():
-        target = mmproj.vision_name(info.name, kind)
+        target = mmproj.vision_name(info.name, kind, deepstack)
         if target is None:
             raise LocalserveError(f"{gguf.path}: tensor {info.name} is not part of a "
                                   f"{mmproj.SUPPORTED_TYPES[kind]} vision projector")
         weight = gguf_to_weight(info.name, gguf.tensor_bytes(info.name), info.ggml_type, info.shape)
-        # The encoder runs dense (an mmproj file is mostly F16/F32; a quantized one is widened).
-        tensor = dequantize(weight).reshape(info.shape) if isinstance(weight, QuantWeight) else weight
-        pieces.setdefault(target[0], {})[target[1]] = tensor - 1 if info.name in mmproj.SHIFTED_BY_ONE else tensor
+        # Quantized matrices stay so (vision/quantized.py); a norm shifted by one, or a
+        # quantized convolution kernel, is used widened.
+        if info.name in mmproj.SHIFTED_BY_ONE:
+            weight = _dense(weight, info.shape) - 1
+        elif len(info.shape) != 2:
+            weight = _dense(weight, info.shape)
+        pieces.setdefault(target[0], {})[target[1]] = weight
     for name, parts in pieces.items():
-        join = next((how for suffix, how in mmproj.JOINED.items() if name.endswith(suffix)), None)
+        join = mmproj.joined(name, kind)
         if join is None:
             yield name, parts[0]
             continue
@@ -77,11 +82,19 @@ def _projector_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         if sorted(parts) != list(range(len(parts))) or len(parts) < 2:
             raise LocalserveError(f"{gguf.path}: the projector holds pieces {sorted(parts)} of {name}")
         how, dim = join
+        shapes = [list(part.shape) for part in ordered]
         try:
-            yield name, torch.cat(ordered, dim) if how == "cat" else torch.stack(ordered, dim)
-        except RuntimeError:
-            raise LocalserveError(f"{gguf.path}: the pieces of {name} do not fit together "
-                                  f"({[list(p.shape) for p in ordered]})") from None
+            if how == "cat" and dim == 0 and all(isinstance(p, QuantWeight) for p in ordered):
+                yield name, concat_rows(ordered)  # type: ignore[arg-type]  # rows of one matrix (q, k, v)
+                continue
+            dense = [_dense(part, tuple(part.shape)) for part in ordered]
+            yield name, torch.cat(dense, dim) if how == "cat" else torch.stack(dense, dim)
+        except (RuntimeError, ValueError):
+            raise LocalserveError(f"{gguf.path}: the pieces of {name} do not fit together ({shapes})") from None
+
+
+def _dense(weight: torch.Tensor | QuantWeight, shape: tuple[int, ...]) -> torch.Tensor:
+    return dequantize(weight).reshape(shape) if isinstance(weight, QuantWeight) else weight
 
 
 def _safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None,

@@ -159,11 +159,12 @@ def read_image_config(checkpoint: Checkpoint) -> ImageConfig | None:
     preprocessor_config.json; or a GGUF model's projector file), or None for a text-only one."""
     if checkpoint.mmproj is not None:
         from ..formats.mmproj import projector_type
-        from .qwen_config import QwenVisionConfig
+        from .qwen_config import Qwen3VisionConfig, QwenVisionConfig
 
         assert checkpoint.gguf is not None  # only a GGUF model has a projector file
         tokens = checkpoint.gguf.metadata.get("tokenizer.ggml.tokens")
-        family = QwenVisionConfig if projector_type(checkpoint.mmproj) == "qwen2.5vl_merger" else Gemma3ImageConfig
+        family: type[ImageConfig] = {"gemma3": Gemma3ImageConfig, "qwen2.5vl_merger": QwenVisionConfig,
+                                     "qwen3vl_merger": Qwen3VisionConfig}[projector_type(checkpoint.mmproj)]
         return family.from_mmproj(checkpoint.mmproj, tokens if isinstance(tokens, list) else [],
                                   checkpoint.spec.hidden_size)
     if not checkpoint.image_text:

@@ -2,7 +2,8 @@
 preprocessor_config.json without torch: the vision tower's sizes (transformers'
 Qwen2_5_VLVisionConfig keys), the image processor's settings (Qwen2VLImageProcessor's
 keys, shared by Qwen2-VL, Qwen2.5-VL and Qwen3-VL) and the image tokens. Qwen3-VL's
-tower (Qwen3VLVisionConfig) is read by Qwen3VisionConfig.
+tower (Qwen3VLVisionConfig) is read by Qwen3VisionConfig. Both read llama.cpp's projector
+files too (``from_mmproj``: a GGUF model's image side).
 
 Each bad or missing value is a LocalserveError whose one line names the file and key.
 """
@@ -27,6 +28,8 @@ _DEFAULT_MIN_PIXELS = 56 * 56
 _DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 # Qwen2.5-VL's released preprocessor_config.json: up to 16,384 tokens an image.
 _RELEASED_MAX_PIXELS = 12_845_056
+# Qwen3-VL's: size.shortest_edge and longest_edge, 64 to 16,384 tokens an image.
+_QWEN3_RELEASED_PIXELS = (65_536, 16_777_216)
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _BICUBIC = 3  # PIL's number for bicubic resampling, as preprocessor_config.json writes it
@@ -231,36 +234,21 @@ class QwenVisionConfig(_QwenImages):
     def from_mmproj(cls, projector: GGUFFile, tokens: Sequence[str], text_hidden: int) -> QwenVisionConfig:
         """From llama.cpp's projector file (``qwen2.5vl_merger``: its ``clip.vision.*`` keys,
         written from config.json's vision_config and preprocessor_config.json's mean and std)
-        and the text model's vocabulary, where the image tokens are found by their text. The
-        processor's pixel bounds are the released files' (the projector does not carry them)."""
-        prefix = "clip.vision."
-        read = _Reader({key[len(prefix):]: value for key, value in projector.metadata.items()
-                        if key.startswith(prefix)}, f"{projector.path}: {prefix}")
+        and the text model's vocabulary (see ``_mmproj_images``)."""
+        read = _mmproj_reader(projector)
+        processing, image_tokens = _mmproj_images(read, tokens, (_DEFAULT_MIN_PIXELS, _RELEASED_MAX_PIXELS))
         depth = read.positive_int("block_count")
         # Every n_wa_pattern-th block attends across the whole image (the converter's check).
         pattern = read.positive_int("n_wa_pattern")
-        patch_size, merge_size = read.positive_int("patch_size"), read.positive_int("spatial_merge_size", 2)
-        processing = QwenImageProcessing(patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2,
-                                         min_pixels=_DEFAULT_MIN_PIXELS, max_pixels=_RELEASED_MAX_PIXELS,
-                                         mean=read.triple("image_mean", _CLIP_MEAN),
-                                         std=read.triple("image_std", _CLIP_STD))
-        ids = {}
-        for key, text in (("image", "<|image_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>")):
-            try:
-                ids[key] = tokens.index(text)
-            except ValueError:
-                raise LocalserveError(f"the model's vocabulary lacks Qwen-VL's image token {text}") from None
         made = cls(depth=depth, hidden_size=read.positive_int("embedding_length"),
                    intermediate_size=read.positive_int("feed_forward_length"),
-                   num_heads=read.positive_int("attention.head_count"), patch_size=patch_size,
-                   spatial_merge_size=merge_size, temporal_patch_size=2,
+                   num_heads=read.positive_int("attention.head_count"), patch_size=processing.patch_size,
+                   spatial_merge_size=processing.merge_size, temporal_patch_size=2,
                    window_size=read.positive_int("window_size", 112),
                    fullatt_block_indexes=tuple(range(pattern - 1, depth, pattern)),
                    out_hidden_size=read.positive_int("projection_dim"), in_channels=3, rope_theta=10_000.0,
-                   processing=processing, tokens=QwenImageTokens(ids["image"], ids["start"], ids["end"]))
-        if made.out_hidden_size != text_hidden:
-            raise LocalserveError(f"{projector.path}: the projector makes {made.out_hidden_size}-wide tokens for a "
-                                  f"text model {text_hidden} wide: it belongs to another model")
+                   processing=processing, tokens=image_tokens)
+        _check_projection(projector, made.out_hidden_size, text_hidden)
         _check_heads(made.hidden_size, made.num_heads)
         return made
 
@@ -325,9 +313,39 @@ class Qwen3VisionConfig(_QwenImages):
                    processing=QwenImageProcessing.from_hf(preprocessor, patch_size, merge_size, temporal_patch_size),
                    tokens=QwenImageTokens.from_hf(config))
         _check_heads(made.hidden_size, made.num_heads)
-        if math.isqrt(made.num_position_embeddings) ** 2 != made.num_position_embeddings:
-            raise LocalserveError(f"config.json: vision_config.num_position_embeddings {made.num_position_embeddings} "
-                                  "is not a square grid")
+        _check_square(made.num_position_embeddings, "config.json: vision_config.num_position_embeddings")
+        return made
+
+    @classmethod
+    def from_mmproj(cls, projector: GGUFFile, tokens: Sequence[str], text_hidden: int) -> Qwen3VisionConfig:
+        """From llama.cpp's projector file (``qwen3vl_merger``: its ``clip.vision.*`` keys) and
+        the text model's vocabulary (see ``_mmproj_images``). The position table's size and
+        the deepstack blocks are read off the tensors, as llama.cpp reads them. The converter
+        writes no activation (llama.cpp runs its GELU: the released files' gelu_pytorch_tanh)
+        nor the tower's LayerNorm epsilon (it writes the text model's; the tower keeps 1e-6)."""
+        from ..formats.mmproj import deepstack_blocks
+
+        read = _mmproj_reader(projector)
+        processing, image_tokens = _mmproj_images(read, tokens, _QWEN3_RELEASED_PIXELS)
+        depth = read.positive_int("block_count")
+        positions = projector.tensors.get("v.position_embd.weight")
+        if positions is None or len(positions.shape) != 2 or not positions.shape[0]:
+            raise LocalserveError(f"{projector.path}: tensor v.position_embd.weight is missing or not a table")
+        deepstack = deepstack_blocks(projector)
+        if deepstack and deepstack[-1] >= depth:
+            raise LocalserveError(f"{projector.path}: a deepstack merger for block {deepstack[-1]} of a tower of "
+                                  f"{depth} blocks")
+        made = cls(depth=depth, hidden_size=read.positive_int("embedding_length"),
+                   intermediate_size=read.positive_int("feed_forward_length"),
+                   num_heads=read.positive_int("attention.head_count"), patch_size=processing.patch_size,
+                   spatial_merge_size=processing.merge_size, temporal_patch_size=2,
+                   out_hidden_size=read.positive_int("projection_dim"), in_channels=3,
+                   hidden_act="gelu_pytorch_tanh", num_position_embeddings=positions.shape[0],
+                   deepstack_visual_indexes=deepstack, rope_theta=10_000.0, processing=processing,
+                   tokens=image_tokens)
+        _check_projection(projector, made.out_hidden_size, text_hidden)
+        _check_heads(made.hidden_size, made.num_heads)
+        _check_square(made.num_position_embeddings, f"{projector.path}: tensor v.position_embd.weight's row count")
         return made
 
     @property
@@ -369,6 +387,44 @@ def _rope_theta(vision: dict[str, Any]) -> float:
     if "rope_theta" in parameters:
         return _Reader(parameters, "config.json: vision_config.rope_parameters.").positive_float("rope_theta")
     return _Reader(vision, "config.json: vision_config.").positive_float("rope_theta", 10_000.0)
+
+
+def _mmproj_reader(projector: GGUFFile) -> _Reader:
+    """A reader of llama.cpp's projector file's ``clip.vision.*`` keys."""
+    prefix = "clip.vision."
+    return _Reader({key[len(prefix):]: value for key, value in projector.metadata.items() if key.startswith(prefix)},
+                   f"{projector.path}: {prefix}")
+
+
+def _mmproj_images(read: _Reader, tokens: Sequence[str], pixels: tuple[int, int],
+                   ) -> tuple[QwenImageProcessing, QwenImageTokens]:
+    """A projector file's processor settings and image tokens: its patch size, merge size,
+    mean and std, two frames a patch (the converter's requirement), the pixel bounds of the
+    family's released files (``pixels``: the projector does not carry them), and the image
+    tokens found by their text in the text model's vocabulary ``tokens``."""
+    processing = QwenImageProcessing(patch_size=read.positive_int("patch_size"),
+                                     merge_size=read.positive_int("spatial_merge_size", 2), temporal_patch_size=2,
+                                     min_pixels=pixels[0], max_pixels=pixels[1],
+                                     mean=read.triple("image_mean", _CLIP_MEAN), std=read.triple("image_std", _CLIP_STD))
+    ids = {}
+    for key, text in (("image", "<|image_pad|>"), ("start", "<|vision_start|>"), ("end", "<|vision_end|>")):
+        try:
+            ids[key] = tokens.index(text)
+        except ValueError:
+            raise LocalserveError(f"the model's vocabulary lacks Qwen-VL's image token {text}") from None
+    return processing, QwenImageTokens(ids["image"], ids["start"], ids["end"])
+
+
+def _check_projection(projector: GGUFFile, out_hidden_size: int, text_hidden: int) -> None:
+    if out_hidden_size != text_hidden:
+        raise LocalserveError(f"{projector.path}: the projector makes {out_hidden_size}-wide tokens for a "
+                              f"text model {text_hidden} wide: it belongs to another model")
+
+
+def _check_square(count: int, what: str) -> None:
+    # The learned positions are a square grid, resized to each image's.
+    if math.isqrt(count) ** 2 != count:
+        raise LocalserveError(f"{what} {count} is not a square grid")
 
 
 def _check_heads(hidden_size: int, num_heads: int) -> None:
