@@ -176,3 +176,29 @@ def test_image_places_must_match_the_images(checkpoint) -> None:
         engine.add_request([2, BOI, 5], SamplingParams(max_tokens=2), images=[image, image])
     with pytest.raises(LocalserveError, match="0 image markers"):
         engine.add_request([2, 5], SamplingParams(max_tokens=2), images=[image])
+
+
+def test_a_step_encodes_its_images_in_batches_of_bounded_patches(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The images one step reaches are encoded in batches of at most ``batch_patches``
+    patches (here one image's: three batches for three images), with the same greedy
+    tokens; ``fit`` counts such a batch's activations."""
+    from localserve.facts.fit import plan
+    from localserve.vision.footprint import BATCH_PATCHES
+
+    path, model = checkpoint
+    pictures = _images()
+    requests = [(PROMPTS[1][0], [pictures[0]]), (PROMPTS[2][0], [pictures[1], pictures[2]])]
+    expected = [_hf_greedy(model, prompt, chosen, 4) for prompt, chosen in requests]
+    engine = _engine(path)
+    assert engine.images is not None
+    config = engine.images.model.config
+    engine.images.batch_patches = config.max_patches
+    batch_sizes: list[int] = []
+    encode = engine.images.model.encode_images
+    monkeypatch.setattr(engine.images.model, "encode_images",
+                        lambda images: batch_sizes.append(len(images)) or encode(images))
+    assert _run(engine, requests, 4) == expected
+    assert batch_sizes == [1, 1, 1]  # all three reached by the first step
+    planned = plan(path)
+    assert planned.image_activation_bytes == max(BATCH_PATCHES, config.max_patches) * config.floats_per_patch * 4
+    assert planned.activation_bytes >= planned.image_activation_bytes

@@ -114,7 +114,7 @@ class Engine:
         with using(self.kernels):  # a GPU's budget is measured by running a step
             pools = pool_sizes(self.config, spec, self.kv_dtype, self.device.type, lambda: measured_gpu_budget(
                 self.config, self.model, spec, self.kv_dtype, self.device, context,
-                draft.checkpoint.spec.hidden_size if draft else 0),
+                draft.checkpoint.spec.hidden_size if draft else 0, self.images.activation_bytes() if self.images else 0),
                 companion_block_bytes=draft.block_bytes(block_size) if draft else 0)
         block_bytes, num_blocks, num_cpu_blocks = pools.block_bytes, max(1, pools.device_blocks), pools.cpu_blocks
         # <= context: the CPU's default pool follows the free memory, read again now that

@@ -254,11 +254,15 @@ def profile_activation_peak(model: torch.nn.Module, spec: ModelSpec, num_tokens:
 
 
 def measured_gpu_budget(config: EngineConfig, model: torch.nn.Module, spec: ModelSpec, kv_dtype: torch.dtype,
-                        device: torch.device, max_model_len: int, draft_hidden_size: int = 0) -> int:
+                        device: torch.device, max_model_len: int, draft_hidden_size: int = 0,
+                        encoder_peak: int = 0) -> int:
     """The bytes a loaded model's GPU has left for the KV pool, its largest step measured,
-    less what the CUDA graphs will keep (the draft model's too, given its hidden size)."""
+    less what the CUDA graphs will keep (the draft model's too, given its hidden size).
+    ``encoder_peak``: an image encoder batch's activations (estimated), which come before a
+    step's forward, not beside it: the larger of the two is kept free."""
     step_tokens = min(config.step_tokens(device.type), max_model_len)
     peak = profile_activation_peak(model, spec, step_tokens, config.block_size, kv_dtype, device, config.max_num_seqs)
+    peak = max(peak, encoder_peak)
     graphs = cuda_graph_bytes(config, spec, model.dtype, max_model_len, draft_hidden_size)
     free, total = torch.cuda.mem_get_info(device)
     budget = kv_budget_bytes(total, free, peak, config.gpu_memory_utilization, reserve=graphs)

@@ -24,7 +24,7 @@ from ..engine.engine import pick_dtype
 from ..engine.speculative.draft_model import planned_sizes
 from ..engine.memory import (CUDA_OVERHEAD_ESTIMATE, context_limit, cuda_graph_bytes, estimate_activation_peak,
                              planned_context, pool_sizes)
-from ..formats import ModelSpec, open_checkpoint
+from ..formats import Checkpoint, ModelSpec, open_checkpoint
 from ..formats.weights import WeightSizes, weight_sizes
 from ..units import human_bytes
 from .checkpoint import describe_parameters
@@ -45,7 +45,7 @@ class FitPlan:
     memory: int  # the GPU's memory, or the host's available memory
     memory_source: str  # where ``memory`` comes from
     usable: int  # memory x gpu_memory_utilization on a GPU; all of it on the CPU
-    activation_bytes: int  # estimated: the largest step's and the decode CUDA graphs'
+    activation_bytes: int  # estimated: the largest step's (or image encoder batch's) and the decode CUDA graphs'
     overhead_bytes: int  # CUDA context etc., estimated (0 on the CPU)
     room: int  # what the memory has left for the KV pool once the rest is in (negative: not even that fits)
     kv_budget: int  # bytes for the KV pool (may be negative: the weights alone do not fit)
@@ -56,6 +56,7 @@ class FitPlan:
     host_expert_bytes: int  # their loaded bytes
     draft_weight_bytes: int = 0  # a draft model's (speculative decoding), beside the model's
     draft_kv_bytes_per_token: int = 0  # its cache, one block beside each of the pool's
+    image_activation_bytes: int = 0  # estimated: one image encoder batch's (0: the model reads no images)
 
     @property
     def gpu_weight_bytes(self) -> int:
@@ -129,6 +130,7 @@ class FitPlan:
             "cpu_sequences": self.cpu_sequences,
             "draft_weights_bytes": self.draft_weight_bytes,
             "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
+            "image_activation_bytes_estimate": self.image_activation_bytes,
         }
 
 
@@ -148,7 +150,9 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
                                              checkpoint.quantized_gguf)
     context = planned_context(spec, config, device)
     step_tokens = min(config.step_tokens(device), context)
-    activations = estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype)
+    # An image encoder batch runs before a step's forward, not beside it: the larger counts.
+    image_activations = _image_activation_bytes(checkpoint, model_dtype)
+    activations = max(estimate_activation_peak(spec, step_tokens, config.max_num_seqs, model_dtype), image_activations)
     draft = planned_sizes(config, model_dtype, torch.device("cpu") if device == "cpu" else None)
     if gpu_memory is not None:
         total, source = gpu_memory, "the GPU's memory"
@@ -173,7 +177,18 @@ def plan(path: str | Path, gpu_memory: int | None = None, config: EngineConfig |
         room=room, kv_budget=pools.device_budget, kv_reason=pools.reason, kv_blocks=pools.device_blocks,
         cpu_blocks=pools.cpu_blocks, cpu_moe_layers=cpu_moe_layers, host_expert_bytes=host_expert_bytes,
         draft_weight_bytes=draft_weights, draft_kv_bytes_per_token=draft_block_bytes // config.block_size,
+        image_activation_bytes=image_activations,
     )
+
+
+def _image_activation_bytes(checkpoint: Checkpoint, dtype: torch.dtype) -> int:
+    if not checkpoint.reads_images:
+        return 0
+    from ..vision.config import read_image_config
+    from ..vision.footprint import encoder_activation_bytes
+
+    config = read_image_config(checkpoint)
+    return 0 if config is None else encoder_activation_bytes(config, dtype)
 
 
 def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
@@ -203,6 +218,9 @@ def describe(plan: FitPlan, name: str) -> list[tuple[str, str]]:
         lines.append(("host memory", f"{human_bytes(plan.memory)} available ({plan.memory_source}; no GPU): "
                                      f"weights {human_bytes(plan.gpu_weight_bytes)}, activations "
                                      f"~{human_bytes(plan.activation_bytes)}, KV cache {kv_cache} ({plan.kv_reason})"))
+    if plan.image_activation_bytes:
+        lines.append(("images", f"the vision tower's weights are in the weights above; an encoder batch's "
+                                f"activations ~{human_bytes(plan.image_activation_bytes)}, within the activations"))
     if plan.draft_weight_bytes:
         lines.append(("draft model", f"{human_bytes(plan.draft_weight_bytes)} of weights; its KV cache "
                                      f"{human_bytes(plan.draft_kv_bytes_per_token)} per token, beside the model's "

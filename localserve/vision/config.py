@@ -137,6 +137,20 @@ class Gemma3ImageConfig:
     def tokens_for(self, image: ImageInput) -> int:
         return self.tokens_per_image  # every image is resized to the tower's square
 
+    def patches_for(self, image: ImageInput) -> int:
+        return self.max_patches
+
+    @property
+    def max_patches(self) -> int:
+        return self.vision.patches_per_side ** 2
+
+    @property
+    def floats_per_patch(self) -> int:
+        """Activation values live per patch at a tower layer's peak (vision/footprint.py):
+        the residual stream, its norm, q, k, v and the attention's output; the MLP's
+        intermediate and its GELU."""
+        return 6 * self.vision.hidden_size + 2 * self.vision.intermediate_size
+
     def checked(self, where: str) -> Gemma3ImageConfig:
         side = math.isqrt(self.tokens_per_image)
         if side < 1 or side * side != self.tokens_per_image or self.vision.patches_per_side % side:

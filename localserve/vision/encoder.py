@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..text.tokenizer import Tokenizer
+from .footprint import BATCH_PATCHES, batches, encoder_activation_bytes
 from .image_input import ImageInput, ImageLimits, check_image_count
 from .placement import ImagePlacement
 
@@ -53,8 +54,10 @@ class ImageSpan:
 
 class ImageEncoder:
     def __init__(self, model: VisionModel, tokenizer: Tokenizer | None, vocab_size: int, device: torch.device,
-                 limits: ImageLimits = ImageLimits(), cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 limits: ImageLimits = ImageLimits(), cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 batch_patches: int = BATCH_PATCHES) -> None:
         self.model = model
+        self.batch_patches = batch_patches  # the most patches one encoder batch holds (footprint.py)
         self.placement = ImagePlacement(model.config.layout(), model.config.tokens_for, tokenizer)
         self.vocab_size = vocab_size
         self.device = device
@@ -63,6 +66,10 @@ class ImageEncoder:
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._cached_bytes = 0
         self.num_encoded = 0  # images run through the encoder (not served from the cache)
+
+    def activation_bytes(self) -> int:
+        """An encoder batch's activations at their peak, estimated (footprint.py)."""
+        return encoder_activation_bytes(self.model.config, next(self.model.parameters()).dtype, self.batch_patches)
 
     # -- a request arrives -------------------------------------------------------------
 
@@ -109,8 +116,8 @@ class ImageEncoder:
 
     def encode_step(self, chunks: Sequence[tuple[Sequence[ImageSpan], int, int]]) -> None:
         """Embeddings for every image a step's prefill chunks (spans, start, end) reach,
-        one encoder batch for those not cached; the embeddings of images a chunk has
-        passed are dropped (the cache keeps its copy)."""
+        those not cached encoded in batches of at most ``batch_patches`` patches; the
+        embeddings of images a chunk has passed are dropped (the cache keeps its copy)."""
         wanted: dict[bytes, list[ImageSpan]] = {}
         for spans, start, end in chunks:
             for span in spans:
@@ -126,8 +133,10 @@ class ImageEncoder:
         if not wanted:
             return
         images = [spans[0].image for spans in wanted.values()]
+        encoded: list[torch.Tensor] = []
         with torch.inference_mode():
-            encoded = self.model.encode_images(images)
+            for batch in batches(images, self.model.config.patches_for, self.batch_patches):
+                encoded.extend(self.model.encode_images(batch))
         self.num_encoded += len(images)
         for digest, rows in zip(wanted, encoded):
             rows = rows.clone()  # its own storage: the cache may keep it while it drops the batch's others

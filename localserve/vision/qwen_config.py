@@ -180,6 +180,15 @@ class _QwenImages:
         """The image's patch grid (frames, rows, columns), as its pixels will have it."""
         return self.processing.grid(image.height, image.width)
 
+    def patches_for(self, image: ImageInput) -> int:
+        frames, rows, columns = self.grid(image)
+        return frames * rows * columns
+
+    @property
+    def max_patches(self) -> int:
+        """The patches of the largest image the processor makes (``max_pixels`` of them)."""
+        return self.processing.max_pixels // self.processing.patch_size ** 2
+
 
 @dataclass(frozen=True, slots=True)
 class QwenVisionConfig(_QwenImages):
@@ -255,6 +264,13 @@ class QwenVisionConfig(_QwenImages):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def floats_per_patch(self) -> int:
+        """Activation values live per patch at a block's peak (vision/footprint.py): the
+        residual stream, its norm, q, k, v and the attention's output; the SwiGLU's gate,
+        up and their product."""
+        return 6 * self.hidden_size + 3 * self.intermediate_size
 
     @property
     def window_merged_patches(self) -> int:
@@ -351,6 +367,11 @@ class Qwen3VisionConfig(_QwenImages):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def floats_per_patch(self) -> int:
+        """As Qwen2.5-VL's, with a GELU MLP: its intermediate and its activation."""
+        return 6 * self.hidden_size + 2 * self.intermediate_size
 
     @property
     def positions_per_side(self) -> int:
