@@ -135,8 +135,9 @@ def test_pooling_folds_chunks_and_starts_over_from_position_0() -> None:
 
 
 @pytest.mark.parametrize("config, modules, message", [
-    ({"pooling_mode_max_tokens": True}, None, "max_tokens"),
-    ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": True}, None, "last, mean"),
+    ({"pooling_mode_max_tokens": True}, None, "this one: max"),
+    ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": True}, None, "mean, lasttoken"),
+    ({"pooling_mode": "weightedmean"}, None, "this one: weightedmean"),
     ({"pooling_mode_mean_tokens": True, "include_prompt": False}, None, "prompt excluded"),
     ({"pooling_mode_mean_tokens": True}, ["Transformer", "Pooling", "Dense", "Normalize"], "'Dense' is not supported"),
 ])
@@ -334,3 +335,11 @@ def test_ollama_client_embed(server, embedders) -> None:
         client.chat(model="embedder", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(ollama.ResponseError, match="makes text, not embeddings"):
         client.embed(model="stories", input="hi")
+
+
+def test_the_pooling_key_sentence_transformers_6_writes_is_read(embedders, tmp_path: Path) -> None:
+    """sentence-transformers 6 saves ``"pooling_mode": "lasttoken"`` instead of the flags."""
+    folder = tmp_path / "model"
+    shutil.copytree(embedders["last"][0], folder)
+    sentence_transformers_files(folder, {"pooling_mode": "lasttoken"})
+    assert open_checkpoint(folder).spec.pooling == "last"

@@ -3,8 +3,8 @@
 An embedding model in our architectures (Qwen3-Embedding: a qwen3 decoder) is served
 as sentence-transformers describes it: ``modules.json`` lists the pipeline (the
 transformer, a Pooling module, usually Normalize) and the Pooling module's
-``config.json`` says which pooling (``pooling_mode_lasttoken``, ``..._mean_tokens``,
-``..._cls_token``). Embeddings are always L2-normalized, as OpenAI's and Ollama's
+``config.json`` says which pooling (``pooling_mode``: ``lasttoken``, ``mean`` or ``cls``;
+earlier versions wrote ``pooling_mode_lasttoken: true`` and the like). Embeddings are always L2-normalized, as OpenAI's and Ollama's
 ``/api/embed`` are; any other module (a Dense projection) would change the vector, so
 such a pipeline is refused rather than served wrong.
 
@@ -21,9 +21,13 @@ from typing import Any
 from ..errors import LocalserveError
 from ..json_files import read_json
 
-# sentence-transformers' Pooling config key -> our pooling name.
-_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+# sentence-transformers' Pooling modes (its config's ``pooling_mode`` since version 6) ->
+# our pooling names; the flags earlier versions wrote (``pooling_mode_<flag>: true``).
+_POOLING = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+_POOLING_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                  "pooling_mode_lasttoken": "lasttoken", "pooling_mode_max_tokens": "max",
+                  "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                  "pooling_mode_weightedmean_tokens": "weightedmean"}
 _MODULES = "sentence_transformers.models."
 _HARMLESS_MODULES = {"Transformer", "Normalize"}  # the model itself; a normalization we always apply
 _MAX_JSON_BYTES = 1 << 20
@@ -50,16 +54,28 @@ def pooling_from_modules(model_dir: Path) -> str | None:
     config_path = (model_dir / pooling_dirs[0] / "config.json").resolve()
     if not config_path.is_relative_to(model_dir.resolve()):
         raise LocalserveError(f"{model_dir / 'modules.json'}: the Pooling module's path leaves the model folder")
+    return read_pooling(config_path)
+
+
+def read_pooling(config_path: Path) -> str:
+    """A Pooling module's ``config.json`` -> "cls", "mean" or "last" (either form
+    sentence-transformers writes); any other pooling, or one that leaves out the prompt,
+    is refused."""
     config = _read_json(config_path)
     if not isinstance(config, dict):
         raise LocalserveError(f"{config_path}: missing, or not a JSON object")
-    chosen = [name for key, name in _POOLING_MODES.items() if config.get(key) is True]
-    others = [key.removeprefix("pooling_mode_") for key in _OTHER_MODES if config.get(key) is True]
-    if others or len(chosen) != 1 or config.get("include_prompt", True) is not True:
-        raise LocalserveError(f"{config_path}: one of last-token, mean or CLS pooling over the whole input is "
-                              f"supported (this one: {', '.join(chosen + others) or 'none'}"
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in _POOLING_FLAGS.items() if config.get(key) is True]
+    elif isinstance(modes, str):
+        modes = [modes]
+    if not isinstance(modes, list) or len(modes) != 1 or modes[0] not in _POOLING or \
+            config.get("include_prompt", True) is not True:
+        shown = ", ".join(map(str, modes)) if isinstance(modes, list) else str(modes)
+        raise LocalserveError(f"{config_path}: one of CLS, mean or last-token pooling over the whole input is "
+                              f"supported (this one: {shown or 'none'}"
                               f"{'' if config.get('include_prompt', True) is True else ', prompt excluded'})")
-    return chosen[0]
+    return _POOLING[modes[0]]
 
 
 def _read_json(path: Path) -> Any:
