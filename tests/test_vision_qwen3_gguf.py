@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,10 +25,10 @@ from localserve.formats import open_checkpoint
 from localserve.vision import load_image_encoder
 from localserve.vision.image_input import image_from_bytes
 
-from .mmproj_util import llama_cpp_generate, rewrite_gguf, write_qwen3vl_pair
+from .mmproj_util import rewrite_gguf, write_qwen3vl_pair
 from .test_vision_qwen_engine import IM_END, SPECIAL, TEMPLATE, VOCAB, _engine, _greedy, _picture, _prompt
 from .test_vision_qwen_engine import save_checkpoint
-from .test_vision_qwen_gguf import _at
+from .test_vision_qwen_gguf import _at, check_against_llama_cpp
 
 MODEL, PROJECTOR = "tiny-qwen3vl.gguf", "mmproj-tiny-qwen3vl-f32.gguf"
 RELEASED_PIXELS = (65_536, 16_777_216)  # Qwen3-VL's preprocessor_config.json: 64 to 16,384 tokens
@@ -66,23 +65,7 @@ def test_the_files_read_as_the_checkpoint(folders: tuple[Path, Path]) -> None:
 
 
 def test_embeddings_and_greedy_tokens_equal_llama_cpps(folders: tuple[Path, Path]) -> None:
-    _, pair = folders
-    engine = _engine(pair)
-    assert engine.images is not None
-    answers = []
-    for count in (1, 2):
-        pictures = PICTURES[:count]
-        media = "".join("<__media__>" for _ in range(count))  # llama.cpp adds the vision tokens around each
-        theirs = f"<|im_start|>user\n{media}what is in the picture?<|im_end|>\n<|im_start|>assistant\n"
-        expected, embeddings = llama_cpp_generate(pair / MODEL, pair / PROJECTOR, theirs, pictures, 8)
-        got = engine.images.model.encode_images([image_from_bytes(p) for p in pictures])
-        for ours, reference in zip(got, embeddings, strict=True):
-            # [tokens, 1 + deepstack, hidden] side by side: llama.cpp's row per token.
-            np.testing.assert_allclose(ours.flatten(1).detach().numpy(), reference, rtol=0,
-                                       atol=2e-3 * np.abs(reference).max())
-        answers.append(_greedy(engine, [(_prompt(count), pictures)], 8)[0])
-        assert answers[-1] == expected
-    assert answers[0] != answers[1]  # the second image changes the answer: images are read
+    check_against_llama_cpp(folders[1], MODEL, PROJECTOR, PICTURES)
 
 
 def test_a_text_model_without_its_sections_is_refused(folders: tuple[Path, Path], tmp_path: Path) -> None:

@@ -12,14 +12,13 @@ an error, as it would mean a model we would compute wrong.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..errors import LocalserveError
 from ..formats.hf import shard_files
+from ..formats.weights import safetensors_tensors
 from .config import EncoderConfig
 
 _PREFIXES = ("bert.", "roberta.", "nomic_bert.", "model.")
@@ -64,7 +63,7 @@ def load_state(model_dir: Path, config: EncoderConfig, expected: dict[str, torch
     table = _table(config)
     state: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for name, tensor in _tensors(shard_files(model_dir)):
+    for name, tensor in safetensors_tensors(shard_files(model_dir)):
         canonical = _canonical(name)
         ours = _ours(canonical, table)
         if ours is None:
@@ -133,19 +132,3 @@ def _ours(name: str, table: list[tuple[re.Pattern[str], str | tuple[str, int]]])
             return match.expand(target[0]), target[1]
         return match.expand(target), None
     return None
-
-
-def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the shards; safetensors checks each header and offset against the
-    file before handing out data (no pickle anywhere)."""
-    seen: set[str] = set()
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():
-                    if name in seen:
-                        raise LocalserveError(f"{path}: tensor {name} appears in two shards")
-                    seen.add(name)
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise LocalserveError(f"{path}: not a valid safetensors file ({exc})") from None

@@ -41,7 +41,7 @@ def iter_weights(checkpoint: Checkpoint) -> Iterator[NamedWeight]:
         return _gguf_weights(checkpoint.gguf, checkpoint.spec)
     # An image-text checkpoint's vision tensors are skipped unread.
     rename = multimodal.text_name if checkpoint.image_text else embedding.bare_name if checkpoint.bare else None
-    tensors = _safetensors(checkpoint.files, rename)
+    tensors = safetensors_tensors(checkpoint.files, rename)
     if ARCHITECTURES[checkpoint.spec.architecture].packed_experts:
         return gpt_oss.canonical_weights(tensors)
     return convert_quantized(tensors, checkpoint.quant) if checkpoint.quant else tensors
@@ -54,7 +54,7 @@ def iter_vision_weights(checkpoint: Checkpoint) -> Iterator[tuple[str, torch.Ten
     matrices as QuantWeights (vision/quantized.py runs them so)."""
     if checkpoint.mmproj is not None:
         return _projector_weights(checkpoint.mmproj)
-    return _safetensors(checkpoint.files, multimodal.vision_name)
+    return safetensors_tensors(checkpoint.files, multimodal.vision_name)
 
 
 def _projector_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
@@ -97,8 +97,8 @@ def _dense(weight: torch.Tensor | QuantWeight, shape: tuple[int, ...]) -> torch.
     return dequantize(weight).reshape(shape) if isinstance(weight, QuantWeight) else weight
 
 
-def _safetensors(files: list[Path], rename: Callable[[str], str | None] | None = None,
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_tensors(files: list[Path], rename: Callable[[str], str | None] | None = None,
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor in the shards, under ``rename``'s names (None:
     skipped unread). safetensors validates the header and every offset against the file
     size before handing out data."""
