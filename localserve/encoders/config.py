@@ -85,7 +85,7 @@ def config_from_dict(config: dict[str, Any]) -> EncoderConfig:
         made = _nomic(config, num_labels) if family == "nomic_bert" else _bert(config, family, num_labels)
     except (KeyError, TypeError, ValueError) as exc:
         raise LocalserveError(f"missing or bad value for {exc}") from None
-    return _checked(made)
+    return check_config(made)
 
 
 def _num_labels(config: dict[str, Any]) -> int | None:
@@ -173,7 +173,7 @@ def _activation(name: Any) -> str:
     return _ACTIVATIONS[name]
 
 
-def _checked(config: EncoderConfig) -> EncoderConfig:
+def check_config(config: EncoderConfig) -> EncoderConfig:
     sizes = (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads, config.head_dim,
              config.intermediate_size, config.type_vocab_size, config.max_positions)
     if min(sizes) < 1 or max(sizes) > 1 << 24 or config.num_layers > 256:

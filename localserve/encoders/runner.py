@@ -16,6 +16,7 @@ import torch
 
 from ..errors import LocalserveError
 from .config import EncoderConfig, read_config
+from .gguf import load_gguf_encoder
 from .model import Encoder
 from .packing import pack
 from .pipeline import Pipeline, read_pipeline
@@ -38,6 +39,11 @@ class EncoderModel:
     @classmethod
     def load(cls, folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
              ) -> EncoderModel:
+        """From a sentence-transformers or HF folder, or a llama.cpp GGUF file (gguf.py)."""
+        if folder.suffix == ".gguf" and folder.is_file():
+            model, pipeline, tokenizer = load_gguf_encoder(folder, dtype)
+            device = torch.device(device)
+            return cls(model.to(device).eval(), model.config, pipeline, tokenizer, tokenizer.max_length, device)
         pipeline = read_pipeline(folder)
         config = read_config(pipeline.model_dir)
         if (pipeline.task == "score") != config.classifies:
