@@ -22,6 +22,7 @@ its tanh approximation, which moves the embeddings by about 1e-4.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from .config import EncoderConfig, check_config
 from .model import Encoder
 from .pipeline import Pipeline
 from .tokenizer import EncoderTokenizer
+from .weights import assemble, checked_state, rename
 
 _POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's enum; 0 (none) and 4 (rank) make no embedding
 _CONTROL = 3  # gguf TokenType.CONTROL: special tokens, written without the word-start mark
@@ -143,45 +145,15 @@ def _tokenizer(meta: dict[str, Any]) -> HFTokenizer:
 
 def _state(gguf: GGUFFile, config: EncoderConfig, expected: dict[str, torch.Size],
            dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for name, info in gguf.tensors.items():
-        ours = _ours(name)
-        if ours is None:
-            raise LocalserveError(f"tensor {name} is not part of a bert embedding model")
-        weight = gguf_to_weight(name, gguf.tensor_bytes(name), info.ggml_type, info.shape)
-        tensor = dequantize(weight).view(info.shape) if isinstance(weight, QuantWeight) else weight
-        target, index = ours
-        if target in state or index in pieces.get(target, {}):
-            raise LocalserveError(f"two tensors give {target}")
-        if index is None:
-            state[target] = tensor
-        else:
-            pieces.setdefault(target, {})[index] = tensor
-    for target, parts in pieces.items():
-        if target in state or sorted(parts) != [0, 1, 2]:
-            raise LocalserveError(f"{target}: expected attn_q, attn_k and attn_v, or one attn_qkv")
-        if len({part.shape[1:] for part in parts.values()}) != 1:
-            raise LocalserveError(f"the parts of {target} differ in shape")
-        state[target] = torch.cat([parts[i] for i in range(3)])
+    def named() -> Iterator[tuple[str, int | None, torch.Tensor]]:
+        for name, info in gguf.tensors.items():
+            ours = rename(name, _COMPILED)
+            if ours is None:
+                raise LocalserveError(f"tensor {name} is not part of a bert embedding model")
+            weight = gguf_to_weight(name, gguf.tensor_bytes(name), info.ggml_type, info.shape)
+            yield *ours, dequantize(weight).view(info.shape) if isinstance(weight, QuantWeight) else weight
+
+    state = assemble(named())
     # llama.cpp runs a model without token_types; adding a zero row is the same.
     state.setdefault("type_embeddings.weight", torch.zeros(expected["type_embeddings.weight"]))
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise LocalserveError(f"missing tensor{'s' if len(missing) > 1 else ''} for {', '.join(missing[:3])}"
-                              f"{' ...' if len(missing) > 3 else ''}")
-    for name, tensor in state.items():
-        if name not in expected:
-            raise LocalserveError(f"tensor for {name} is not part of this model (it has {config.num_layers} layers)")
-        if tensor.shape != expected[name]:
-            raise LocalserveError(f"{name} is {list(tensor.shape)}, the metadata says {list(expected[name])}")
-        state[name] = tensor.to(dtype)
-    return state
-
-
-def _ours(name: str) -> tuple[str, int | None] | None:
-    for pattern, target in _COMPILED:
-        match = pattern.fullmatch(name)
-        if match is not None:
-            return (match.expand(target[0]), target[1]) if isinstance(target, tuple) else (match.expand(target), None)
-    return None
+    return checked_state(state, config, expected, dtype, "the metadata")

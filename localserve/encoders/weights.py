@@ -12,6 +12,7 @@ an error, as it would mean a model we would compute wrong.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -61,19 +62,32 @@ def load_state(model_dir: Path, config: EncoderConfig, expected: dict[str, torch
                dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's full state dict (names and shapes as ``expected``), in ``dtype``."""
     table = _table(config)
+
+    def named() -> Iterator[tuple[str, int | None, torch.Tensor]]:
+        for name, tensor in safetensors_tensors(shard_files(model_dir)):
+            canonical = _canonical(name)
+            ours = rename(canonical, table)
+            if ours is None:
+                if _SKIPPED.fullmatch(canonical) or (not config.classifies and canonical.startswith("pooler.")):
+                    continue
+                raise LocalserveError(f"tensor {name} is not part of a {config.family} "
+                                      f"{'reranker' if config.classifies else 'encoder'}")
+            yield *ours, tensor
+
+    try:
+        return checked_state(assemble(named()), config, expected, dtype)
+    except LocalserveError as exc:
+        raise LocalserveError(f"{model_dir}: {exc}") from None
+
+
+def assemble(named: Iterable[tuple[str, int | None, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Our state from (our name, piece index or None, tensor): a fused matrix's pieces
+    joined in order, each complete and of one width; a name given twice is refused."""
     state: dict[str, torch.Tensor] = {}
     pieces: dict[str, dict[int, torch.Tensor]] = {}
-    for name, tensor in safetensors_tensors(shard_files(model_dir)):
-        canonical = _canonical(name)
-        ours = _ours(canonical, table)
-        if ours is None:
-            if _SKIPPED.fullmatch(canonical) or (not config.classifies and canonical.startswith("pooler.")):
-                continue
-            raise LocalserveError(f"{model_dir}: tensor {name} is not part of a {config.family} "
-                                  f"{'reranker' if config.classifies else 'encoder'}")
-        target, index = ours
-        if target in state or index in pieces.get(target, {}):
-            raise LocalserveError(f"{model_dir}: two tensors give {target}")
+    for target, index, tensor in named:
+        if target in state or (index is None and target in pieces) or index in pieces.get(target, {}):
+            raise LocalserveError(f"two tensors give {target}")
         if index is None:
             state[target] = tensor
         else:
@@ -81,24 +95,30 @@ def load_state(model_dir: Path, config: EncoderConfig, expected: dict[str, torch
     for target, parts in pieces.items():
         count = _PIECES[target.split(".")[-2]]
         if sorted(parts) != list(range(count)):
-            raise LocalserveError(f"{model_dir}: {target} is missing {count - len(parts)} of its {count} parts")
+            raise LocalserveError(f"{target} is missing {count - len(parts)} of its {count} parts")
         if len({part.shape[1:] for part in parts.values()}) != 1:
-            raise LocalserveError(f"{model_dir}: the parts of {target} differ in shape")
+            raise LocalserveError(f"the parts of {target} differ in shape")
         state[target] = torch.cat([parts[i] for i in range(count)])
+    return state
+
+
+def checked_state(state: dict[str, torch.Tensor], config: EncoderConfig, expected: dict[str, torch.Size],
+                  dtype: torch.dtype, source: str = "the config") -> dict[str, torch.Tensor]:
+    """``state`` once every tensor the model has is there, of the shape ``source`` (where the
+    sizes came from) says, in ``dtype``."""
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise LocalserveError(f"{model_dir}: missing tensor{'s' if len(missing) > 1 else ''} for "
-                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (the config and "
+        raise LocalserveError(f"missing tensor{'s' if len(missing) > 1 else ''} for "
+                              f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} ({source} and "
                               "the weights disagree)")
     for name, tensor in state.items():
         if name not in expected:
-            raise LocalserveError(f"{model_dir}: tensor for {name} is not part of this config's model "
+            raise LocalserveError(f"tensor for {name} is not part of this config's model "
                                   f"(it has {config.num_layers} layers)")
         if tensor.shape != expected[name]:
-            raise LocalserveError(f"{model_dir}: {name} is {list(tensor.shape)}, the config says "
-                                  f"{list(expected[name])}")
+            raise LocalserveError(f"{name} is {list(tensor.shape)}, {source} says {list(expected[name])}")
         if not tensor.is_floating_point():
-            raise LocalserveError(f"{model_dir}: {name} holds {tensor.dtype}, not floating-point weights")
+            raise LocalserveError(f"{name} holds {tensor.dtype}, not floating-point weights")
         state[name] = tensor.to(dtype)
     return state
 
@@ -122,7 +142,7 @@ def _canonical(name: str) -> str:
     return re.sub(r"\.gamma$", ".weight", re.sub(r"\.beta$", ".bias", name))
 
 
-def _ours(name: str, table: list[tuple[re.Pattern[str], str | tuple[str, int]]]) -> tuple[str, int | None] | None:
+def rename(name: str, table: list[tuple[re.Pattern[str], str | tuple[str, int]]]) -> tuple[str, int | None] | None:
     """(our name, piece index or None) for a canonical name; None when it is no weight of ours."""
     for pattern, target in table:
         match = pattern.fullmatch(name)
